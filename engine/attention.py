@@ -1,0 +1,136 @@
+"""Attention over the paged KV cache.
+
+KV cache layout, everywhere (model runner, kernels, wire format): one tensor per layer of shape
+``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V). Block 0 is the
+null block: it pads block tables and is never allocated to a request. A *slot* is
+``block_id * block_size + offset``.
+
+The batch is flattened: tokens of all requests in one ``[num_tokens, ...]`` tensor, decodes
+(one query token each) first, then the multi-token requests (prefill chunks, speculative
+verification). CPU path: decodes are batched into one padded scaled_dot_product_attention;
+each multi-token request is one SDPA of its own (a large op, so the loop costs nothing).
+The GPU path (Triton kernels in ``kernels/``) is chosen by ``select_backend``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One multi-token request in the flattened batch."""
+
+    query_start: int
+    """Index of its first query token in the flattened batch."""
+    query_len: int
+    """Tokens computed this step."""
+    context_len: int
+    """Tokens in the cache once this step's are written (computed before + query_len)."""
+    block_table: torch.Tensor
+    """[ceil(context_len / block_size)] int64 block ids."""
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V goes and what each query attends to, for one step."""
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot each new token's K/V is written to."""
+    num_decode_tokens: int
+    """The first num_decode_tokens tokens are single-token decodes, one per request."""
+    decode_block_tables: torch.Tensor
+    """[num_decode_tokens, max_blocks] int64, padded with the null block 0."""
+    decode_seq_lens: torch.Tensor
+    """[num_decode_tokens] int64: context length including the new token."""
+    decode_mask: torch.Tensor | None
+    """[num_decode_tokens, 1, 1, max_blocks * block_size] bool: key positions each decode sees."""
+    prefills: list[PrefillSeq]
+    """The multi-token requests, in batch order after the decodes."""
+    block_size: int
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
+    block_size = kv_cache.shape[2]
+    blocks = slots // block_size
+    offsets = slots % block_size
+    kv_cache[blocks, 0, offsets] = k
+    kv_cache[blocks, 1, offsets] = v
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the blocks in block_table ([..., nb]) as [..., nb * block_size, Hkv, D]."""
+    kv = kv_cache[block_table]  # [..., nb, 2, bs, Hkv, D]
+    lead = kv.shape[:-5]
+    nb, _, bs, hkv, d = kv.shape[-5:]
+    k = kv.select(-4, 0).reshape(*lead, nb * bs, hkv, d)
+    v = kv.select(-4, 1).reshape(*lead, nb * bs, hkv, d)
+    return k, v
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of q ([T, Hq, D]) over each request's cached context plus this step's
+    k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]."""
+    write_kv(kv_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
+    for seq in meta.prefills:
+        sl = slice(seq.query_start, seq.query_start + seq.query_len)
+        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], kv_cache, seq, scale)
+    return out
+
+
+def _decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    keys, values = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, Hkv, D]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [B, Hq, 1, D]
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=meta.decode_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != keys.shape[2],
+    )
+    return out.squeeze(2)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSeq,
+    scale: float,
+) -> torch.Tensor:
+    gqa = q.shape[1] != k.shape[1]
+    if seq.context_len == seq.query_len:
+        # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            is_causal=True, scale=scale, enable_gqa=gqa,
+        )
+        return out.transpose(0, 1)
+    keys, values = gather_kv(kv_cache, seq.block_table)
+    keys, values = keys[: seq.context_len], values[: seq.context_len]
+    # Query i sits at position context_len - query_len + i and sees keys at positions <= it.
+    q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
+    mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+        attn_mask=mask, scale=scale, enable_gqa=gqa,
+    )
+    return out.transpose(0, 1)
