@@ -62,7 +62,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     kv_cache[blocks, 1, offsets] = v
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in block_table ([..., nb]) as [..., nb * block_size, Hkv, D]."""
     kv = kv_cache[block_table]  # [..., nb, 2, bs, Hkv, D]
     lead = kv.shape[:-5]
@@ -120,8 +122,12 @@ def _prefill_attention(
     if seq.context_len == seq.query_len:
         # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=gqa,
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=gqa,
         )
         return out.transpose(0, 1)
     keys, values = gather_kv(kv_cache, seq.block_table)
@@ -130,7 +136,11 @@ def _prefill_attention(
     q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
     mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-        attn_mask=mask, scale=scale, enable_gqa=gqa,
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=gqa,
     )
     return out.transpose(0, 1)

@@ -53,7 +53,9 @@ class CacheConfig:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {self.num_blocks}")
+            raise ValueError(
+                f"num_blocks must be >= 2 (one is the null block), got {self.num_blocks}"
+            )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
 
@@ -99,7 +101,9 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in ("ngram", "draft_model"):
-            raise ValueError(f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}")
+            raise ValueError(
+                f"speculative method must be 'ngram' or 'draft_model', got {self.method!r}"
+            )
         if self.num_speculative_tokens < 1:
             raise ValueError("num_speculative_tokens must be >= 1")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -1,0 +1,209 @@
+"""The offline API, named like vLLM's: LLM(model=...).generate(prompts, SamplingParams)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+
+from tqdm import tqdm
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
+from engine.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """An engine for offline batch generation.
+
+    >>> llm = LLM(model="models/demo")
+    >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+    """
+
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "auto",
+        block_size: int = 16,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        num_blocks: int | None = None,
+        kv_cache_memory: float = 4.0,
+        seed: int = 0,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.engine = LLMEngine(
+            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
+            CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                policy=policy,  # type: ignore[arg-type]
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in input order.
+        Every request is validated before any is queued (ValueError names the problem)."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._as_params_list(sampling_params, len(prompt_list))
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        for tokens, params in zip(token_lists, params_list, strict=True):
+            self.engine.validate(tokens, params)
+        groups = []
+        for i, (tokens, params) in enumerate(zip(token_lists, params_list, strict=True)):
+            prio = priority[i] if priority is not None else 0
+            groups.append(self._add(tokens, params, prio))
+        self._run(sum((g for g in groups), []), use_tqdm)
+        return [
+            self._output(prompt, group) for prompt, group in zip(prompt_list, groups, strict=True)
+        ]
+
+    # -- internals --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            return [prompts]  # one token-id prompt
+        return prompts
+
+    @staticmethod
+    def _as_params_list(
+        params: SamplingParams | Sequence[SamplingParams] | None, n: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        return list(params)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _add(self, tokens: list[int], params: SamplingParams, priority: int) -> list[_Tracked]:
+        """Queue params.n child requests (seeded ones get seed, seed + 1, ...)."""
+        tracked = []
+        for index in range(params.n):
+            child = (
+                params
+                if params.n == 1
+                else replace(params, n=1, seed=None if params.seed is None else params.seed + index)
+            )
+            request_id = str(next(self._ids))
+            request = self.engine.add_request(request_id, tokens, child, priority=priority)
+            tracked.append(_Tracked(request, index, self._detokenizer(request)))
+        return tracked
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.engine.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=request.sampling_params.skip_special_tokens,
+        )
+
+    def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> None:
+        by_id = {t.request.request_id: t for t in tracked}
+        pending = set(by_id)
+        bar = tqdm(total=len(tracked), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while pending:
+                for update in self.engine.step():
+                    item = by_id.get(update.request_id)
+                    if item is None:
+                        continue
+                    if item.feed(update.new_token_ids) and not update.finished:
+                        self.engine.finish_request(
+                            update.request_id, RequestStatus.FINISHED_STOPPED
+                        )
+                    if item.request.finished and update.request_id in pending:
+                        pending.discard(update.request_id)
+                        bar.update(1)
+                if not self.engine.has_unfinished_requests() and pending:
+                    raise RuntimeError(f"requests {sorted(pending)} were lost by the engine")
+        finally:
+            bar.close()
+            for request_id in pending:
+                self.engine.abort_request(request_id)
+
+    def _output(self, prompt: Prompt, group: list[_Tracked]) -> RequestOutput:
+        first = group[0].request
+        return RequestOutput(
+            request_id=first.request_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[t.completion() for t in group],
+            finished=True,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+
+class _Tracked:
+    """A request with its incremental detokenizer and stop-string state."""
+
+    def __init__(self, request: Request, index: int, detok: IncrementalDetokenizer) -> None:
+        self.request = request
+        self.index = index
+        self.detok = detok
+        self.text = ""
+        self.stop_reason: int | str | None = None
+
+    def feed(self, new_token_ids: list[int]) -> bool:
+        """Append new text; returns True when a stop string matched (text cut before it)."""
+        if self.stop_reason is not None:
+            return False
+        self.text += self.detok.add(new_token_ids)
+        for stop in self.request.sampling_params.stop:
+            cut = self.text.find(stop)
+            if cut != -1:
+                self.text = self.text[:cut]
+                self.stop_reason = stop
+                return True
+        return False
+
+    def completion(self) -> CompletionOutput:
+        request = self.request
+        params = request.sampling_params
+        reason = self.stop_reason
+        last = request.output_token_ids[-1] if request.output_token_ids else None
+        if reason is None and last is not None and last in params.stop_token_ids:
+            reason = last
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(request.output_token_ids),
+            finish_reason="stop" if self.stop_reason else request.status.finish_reason,
+            logprobs=list(request.output_logprobs) if params.logprobs is not None else None,
+            stop_reason=reason,
+        )

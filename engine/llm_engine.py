@@ -1,0 +1,206 @@
+"""The engine loop: accepts requests at any time, steps the scheduler and the model runner.
+
+One step: schedule() -> model_runner.execute() -> update_from_output() -> updates. This is
+the loop the offline LLM drives and the node services will drive from their own thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.kv_cache.manager import KVCacheManager
+from engine.model_runner import ModelRunner, kv_block_bytes
+from engine.models.loader import ModelArch, load_model
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.sampler import SampleRow
+from engine.scheduler import RequestUpdate, Scheduler
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+
+
+@dataclass
+class EngineStats:
+    """Counters and gauges for metrics and benchmarks."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    forward_time_s: float = 0.0
+    step_time_s: float = 0.0
+
+
+class LLMEngine:
+    """Owns the tokenizer, scheduler (with its KV cache manager) and model runner."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config or CacheConfig()
+        self.scheduler_config = scheduler_config or SchedulerConfig()
+        start = time.monotonic()
+        model, arch = load_model(model_config.model, model_config.dtype)
+        self.arch: ModelArch = arch
+        self.dtype = next(model.parameters()).dtype
+        self.tokenizer = Tokenizer.from_pretrained(model_config.model)
+        self.max_model_len = self._max_model_len(arch)
+        self.num_blocks = self._num_blocks(arch)
+        self.eos_token_id = (
+            arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id
+        )
+        self.vocab_size = arch.vocab_size
+        kv = KVCacheManager(
+            self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, kv, self.max_model_len)
+        self.runner = ModelRunner(
+            model, arch, self.dtype, self.num_blocks, self.cache_config.block_size
+        )
+        self.stats = EngineStats()
+        self._seed_rng = random.Random(model_config.seed)
+        logger.info(
+            "engine ready in %.1fs: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
+            time.monotonic() - start,
+            model_config.model,
+            arch.architecture,
+            self.dtype,
+            self.num_blocks,
+            self.cache_config.block_size,
+            self.max_model_len,
+        )
+
+    def _max_model_len(self, arch: ModelArch) -> int:
+        limit = arch.max_position_embeddings
+        asked = self.model_config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(
+                f"max_model_len {asked} exceeds the model's max_position_embeddings {limit}"
+            )
+        return asked or limit
+
+    def _num_blocks(self, arch: ModelArch) -> int:
+        cfg = self.cache_config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        per_block = kv_block_bytes(arch, cfg.block_size, self.dtype)
+        num_blocks = int(cfg.kv_cache_memory * GiB) // per_block
+        needed_one = -(-self.max_model_len // cfg.block_size) + 1
+        if num_blocks < needed_one:
+            raise ValueError(
+                f"kv_cache_memory {cfg.kv_cache_memory} GiB holds {num_blocks} blocks, fewer than "
+                f"the {needed_one} one max_model_len request needs"
+            )
+        return num_blocks
+
+    @property
+    def kv(self) -> KVCacheManager:
+        return self.scheduler.kv
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming what is wrong with a request."""
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{total} exceeds max_model_len {self.max_model_len}"
+            )
+        blocks_needed = -(-total // self.cache_config.block_size)
+        if blocks_needed > self.num_blocks - 1:
+            raise ValueError(
+                f"request needs {blocks_needed} KV blocks, the cache has {self.num_blocks - 1}"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request; raises ValueError (queueing nothing) if it is bad."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(token_ids, params)
+        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            priority=priority,
+            cache_salt=cache_salt,
+            seed=seed,
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        self.scheduler.abort_request(request_id)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        self.scheduler.finish_requests([request_id], status)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestUpdate]:
+        """Run one scheduler step; returns the requests that got new tokens."""
+        start = time.perf_counter()
+        output = self.scheduler.schedule()
+        if output.is_empty:
+            return []
+        requests = self.scheduler.requests
+        rows = {
+            c.request_id: self._sample_row(requests[c.request_id])
+            for c in output.chunks
+            if c.samples
+        }
+        forward_start = time.perf_counter()
+        sampled = self.runner.execute(output, rows)
+        self.stats.forward_time_s += time.perf_counter() - forward_start
+        updates = self.scheduler.update_from_output(output, sampled)
+        self.stats.num_steps += 1
+        self.stats.num_prompt_tokens += sum(
+            len(c.token_ids) for c in output.chunks if len(c.token_ids) > 1
+        )
+        self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
+        self.stats.step_time_s += time.perf_counter() - start
+        return updates
+
+    def _sample_row(self, request: Request) -> SampleRow:
+        eos = (request.eos_token_id,) if request.eos_token_id is not None else ()
+        return SampleRow(
+            params=request.sampling_params,
+            seed=request.seed,
+            position=request.num_tokens,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            eos_token_ids=eos,
+        )
+
+
+def torch_dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,255 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) in plain torch, over the paged KV cache.
+
+Differences between the family members are all config: GQA/MQA, a head_dim apart from
+hidden_size / num_heads, q/k/v (and o, MLP) biases, per-head q/k RMSNorm (Qwen3), tied
+embeddings, RoPE scaling (linear, llama3). q/k/v and gate/up are fused into one matmul each;
+``load_weight`` takes the checkpoint's separate tensors and writes them into their rows.
+
+The batch is flattened: every tensor is ``[num_tokens, ...]`` with no padding, and attention
+goes through ``engine.attention.paged_attention`` with the step's ``AttentionMetadata``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionMetadata, paged_attention
+
+if TYPE_CHECKING:
+    from engine.models.loader import ModelArch
+
+# Checkpoint projection name -> (our fused projection, index of its rows block).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
+    # Uninitialised (the loader fills every parameter): no init cost at start-up.
+    data = torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    return nn.Parameter(data, requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). shard_sizes: output rows of each checkpoint tensor fused into W."""
+
+    def __init__(
+        self, in_features: int, shard_sizes: tuple[int, ...], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.shard_sizes = shard_sizes
+        self.weight = _param(sum(shard_sizes), in_features, dtype=dtype)
+        self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
+
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _param(dim, dtype=dtype, fill=1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies, scaled like transformers' rope types."""
+    dim = arch.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    inv_freq = 1.0 / (arch.rope_theta**exponents)
+    scaling = arch.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    # Llama 3.1: long wavelengths divided by factor, short ones kept, smooth in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(arch: ModelArch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_position_embeddings, head_dim / 2], computed in float32."""
+    positions = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
+    freqs = torch.outer(positions, rope_inv_freq(arch))
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (rotate-half convention) by cos/sin [T, D / 2]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_heads, arch.num_kv_heads, arch.head_dim,
+        )
+        q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), arch.attention_bias, dtype)
+        self.o_proj = Linear(q_size, (arch.hidden_size,), arch.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.scale = arch.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        size = arch.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, (size, size), arch.mlp_bias, dtype)
+        self.down_proj = Linear(size, (arch.hidden_size,), arch.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.self_attn = Attention(arch, dtype)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+        self.mlp = MLP(arch, dtype)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = _param(arch.vocab_size, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family decoder. Parameter names are the checkpoint's, except the fused
+    ``qkv_proj`` and ``gate_up_proj``."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, dtype)
+        self.lm_head = (
+            None if arch.tie_word_embeddings
+            else Linear(arch.hidden_size, (arch.vocab_size,), False, dtype)
+        )
+        cos, sin = rope_cos_sin(arch, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache."""
+        return (num_blocks, 2, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the flattened batch input_ids [T] at
+        positions [T]; writes each layer's new K/V into kv_caches at meta.slot_mapping."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32 logits."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor the checkpoint must provide (HF names) and its shape."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, param in self.named_parameters():
+            module_name, _, leaf = name.rpartition(".")
+            prefix, _, proj = module_name.rpartition(".")
+            if proj not in _UNFUSED:
+                shapes[name] = tuple(param.shape)
+                continue
+            sizes = self.get_submodule(module_name).shard_sizes
+            for part, size in zip(_UNFUSED[proj], sizes, strict=True):
+                shapes[f"{prefix}.{part}.{leaf}"] = (size, *param.shape[1:])
+        return shapes
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one checkpoint tensor (HF name) into its parameter (or rows of a fused one),
+        converting to the model dtype."""
+        module_name, _, leaf = name.rpartition(".")
+        prefix, _, proj = module_name.rpartition(".")
+        if proj not in _FUSED:
+            self.get_parameter(name).copy_(tensor)
+            return
+        fused_name, index = _FUSED[proj]
+        module = self.get_submodule(f"{prefix}.{fused_name}")
+        offset = sum(module.shard_sizes[:index])
+        param = getattr(module, leaf)
+        param.narrow(0, offset, module.shard_sizes[index]).copy_(tensor)

@@ -1,0 +1,261 @@
+"""Read a Hugging Face-format model directory (config.json + safetensors) without transformers.
+
+``ModelArch`` is parsed from config.json (and generation_config.json) with plain json, so start-up
+stays fast; ``load_model`` builds the model class from the registry and copies the safetensors
+weights straight into its (fused) parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.config import SUPPORTED_DTYPES
+from engine.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SUPPORTED_ROPE_TYPES = ("linear", "llama3")
+_MODEL_TYPE_TO_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_DEFAULT_MISTRAL_SLIDING_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape and numerics of a Llama-family checkpoint, as read from its config files."""
+
+    architecture: str
+    """HF architectures[0], e.g. "Qwen2ForCausalLM"."""
+    vocab_size: int
+    """Rows of the embedding and lm_head matrices."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SiLU MLP."""
+    num_layers: int
+    """Decoder layers."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (GQA: divides num_heads; 1 is MQA)."""
+    head_dim: int
+    """Per-head width (may differ from hidden_size // num_heads, e.g. Qwen3)."""
+    rms_norm_eps: float
+    """Epsilon of every RMSNorm."""
+    rope_theta: float
+    """RoPE base."""
+    rope_scaling: dict[str, Any] | None
+    """None, or {"rope_type": "linear"|"llama3", ...} with HF's keys."""
+    tie_word_embeddings: bool
+    """lm_head shares the embedding matrix."""
+    attention_bias: bool
+    """q/k/v projections have a bias (always for Qwen2)."""
+    o_proj_bias: bool
+    """o_proj has a bias (Llama/Qwen3 with attention_bias)."""
+    mlp_bias: bool
+    """gate/up/down projections have a bias (Llama's mlp_bias)."""
+    qk_norm: bool
+    """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    max_position_embeddings: int
+    """Longest sequence the model supports."""
+    sliding_window: int | None
+    """Attention window from the config (None: full attention)."""
+    eos_token_ids: tuple[int, ...]
+    """generation_config.json's eos ids first, then config.json's."""
+    bos_token_id: int | None
+    """Beginning-of-sequence id, if any."""
+    torch_dtype: torch.dtype
+    """dtype the checkpoint was saved in."""
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from transformers 4's rope_theta/rope_scaling or 5's
+    rope_parameters; scaling is None for plain RoPE."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}; supported: {_SUPPORTED_ROPE_TYPES}"
+        )
+    if rope_type == "llama3":
+        params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _sliding_window(cfg: dict[str, Any], architecture: str, num_layers: int) -> int | None:
+    """The window transformers would apply, mirroring each config class's rules."""
+    if architecture == "MistralForCausalLM":
+        return cfg.get("sliding_window", _DEFAULT_MISTRAL_SLIDING_WINDOW)
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        window = cfg.get("sliding_window")
+        layers_without = cfg.get("max_window_layers", 28)
+        if cfg.get("use_sliding_window") and window is not None and layers_without < num_layers:
+            return window
+    return None
+
+
+def parse_model_arch(model_dir: str) -> ModelArch:
+    """Read config.json (+ generation_config.json) of an HF model directory."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model directory {model_dir!r} does not exist")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{model_dir!r} has no config.json: not a Hugging Face model directory")
+    cfg = _read_json(config_path)
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+
+    archs = cfg.get("architectures") or [_MODEL_TYPE_TO_ARCH.get(cfg.get("model_type", ""), "")]
+    architecture = archs[0] or f"<model_type {cfg.get('model_type')!r}>"
+    get_model_class(architecture)  # fail early on an unsupported architecture
+
+    num_heads = int(cfg["num_attention_heads"])
+    num_layers = int(cfg["num_hidden_layers"])
+    default_head_dim = 128 if architecture == "Qwen3ForCausalLM" else None
+    head_dim = cfg.get("head_dim", default_head_dim) or cfg["hidden_size"] // num_heads
+    attention_bias = bool(cfg.get("attention_bias", False))
+    rope_theta, rope_scaling = _parse_rope(cfg)
+    eos = list(dict.fromkeys(_as_ids(gen.get("eos_token_id")) + _as_ids(cfg.get("eos_token_id"))))
+    bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
+    dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"unsupported checkpoint dtype {dtype_name!r}")
+    return ModelArch(
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=attention_bias or architecture == "Qwen2ForCausalLM",
+        o_proj_bias=attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        mlp_bias=bool(cfg.get("mlp_bias", False)) and architecture == "LlamaForCausalLM",
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        sliding_window=_sliding_window(cfg, architecture, num_layers),
+        eos_token_ids=tuple(eos),
+        bos_token_id=None if bos is None else int(bos),
+        torch_dtype=_DTYPES[dtype_name],
+    )
+
+
+def resolve_dtype(dtype: str, arch: ModelArch) -> torch.dtype:
+    """ "auto" -> the checkpoint's dtype with float16 mapped to bfloat16 (fp16 is slow on CPU)."""
+    if dtype == "auto":
+        return torch.bfloat16 if arch.torch_dtype == torch.float16 else arch.torch_dtype
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _check_sliding_window(arch: ModelArch, max_model_len: int | None) -> None:
+    limit = max_model_len or arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < limit:
+        raise ValueError(
+            f"sliding-window attention (window {arch.sliding_window} < max length {limit}) is "
+            "not supported; set max_model_len <= the window"
+        )
+
+
+def _weight_files(model_dir: str) -> dict[str, str]:
+    """Checkpoint tensor name -> safetensors file holding it."""
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index_path):
+        weight_map = _read_json(index_path)["weight_map"]
+        return {name: os.path.join(model_dir, f) for name, f in weight_map.items()}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir!r} has no *.safetensors weights")
+    names: dict[str, str] = {}
+    for f in files:
+        path = os.path.join(model_dir, f)
+        with safe_open(path, framework="pt") as handle:
+            names.update(dict.fromkeys(handle.keys(), path))
+    return names
+
+
+def _iter_checked_weights(
+    files: dict[str, str], expected: dict[str, tuple[int, ...]], model_dir: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every expected weight, file by file; ValueError if one is
+    missing or of the wrong shape."""
+    missing = sorted(n for n in expected if n not in files)
+    if missing:
+        raise ValueError(
+            f"incomplete checkpoint in {model_dir!r}: {len(missing)} weight(s) missing, "
+            f"e.g. {missing[:3]}"
+        )
+    by_file: dict[str, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for path, names in by_file.items():
+        if not os.path.isfile(path):
+            raise ValueError(f"incomplete checkpoint: shard {path!r} is missing")
+        with safe_open(path, framework="pt") as handle:
+            for name in names:
+                shape = tuple(handle.get_slice(name).get_shape())
+                if shape != expected[name]:
+                    raise ValueError(
+                        f"weight {name!r} in {path!r} has shape {shape}, expected "
+                        f"{expected[name]} (checkpoint does not match config.json)"
+                    )
+                yield name, handle.get_tensor(name)
+
+
+def load_model(
+    model_dir: str, dtype: str = "auto", max_model_len: int | None = None
+) -> tuple[torch.nn.Module, ModelArch]:
+    """Build the model for model_dir and fill it from its safetensors (single file or sharded
+    with model.safetensors.index.json). Raises ValueError for anything missing or mismatched."""
+    start = time.perf_counter()
+    arch = parse_model_arch(model_dir)
+    _check_sliding_window(arch, max_model_len)
+    torch_dtype = resolve_dtype(dtype, arch)
+    files = _weight_files(model_dir)
+    model = get_model_class(arch.architecture)(arch, torch_dtype)
+    for name, tensor in _iter_checked_weights(files, model.checkpoint_shapes(), model_dir):
+        model.load_weight(name, tensor)
+    model.eval()
+    logger.info(
+        "loaded %s (%s, %.1fM params, %s) in %.2fs",
+        model_dir,
+        arch.architecture,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        str(torch_dtype).removeprefix("torch."),
+        time.perf_counter() - start,
+    )
+    return model, arch

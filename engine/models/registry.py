@@ -1,0 +1,26 @@
+"""HF ``architectures[0]`` -> our model class."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_REGISTRY)
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    """The class implementing architecture; ValueError naming the supported ones otherwise."""
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model architecture {architecture!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        ) from None

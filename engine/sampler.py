@@ -1,0 +1,380 @@
+"""Batched sampling where every row of the batch has its own SamplingParams.
+
+A step's logits go through: logprobs of the raw logits (what the response reports) ->
+penalties -> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
+a seeded draw. Every random number is a pure function of (seed, stream, position, token id),
+so a seeded request samples the same tokens whatever else is in the batch, in whatever
+order, and resumes identically from any position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.request import SamplingParams, TokenLogprobs
+
+SAMPLE_STREAM = 0
+"""uniform_noise stream of the sampler's own draws; speculative decoding keys others."""
+
+
+def _signed(x: int, bits: int) -> int:
+    """x modulo 2**bits, as the two's-complement value torch's intN tensors hold."""
+    x &= (1 << bits) - 1
+    return x - (1 << bits) if x >= 1 << (bits - 1) else x
+
+
+_GOLDEN64 = _signed(0x9E3779B97F4A7C15, 64)
+_SPLITMIX1 = _signed(0xBF58476D1CE4E5B9, 64)
+_SPLITMIX2 = _signed(0x94D049BB133111EB, 64)
+_GOLDEN32 = _signed(0x9E3779B9, 32)
+_LOWBIAS1 = _signed(0x7FEB352D, 32)
+_LOWBIAS2 = _signed(0x846CA68B, 32)
+
+
+def _shr(x: Tensor, shift: int, bits: int) -> Tensor:
+    """Logical right shift of a `bits`-wide signed tensor (torch's >> is arithmetic)."""
+    return torch.bitwise_right_shift(x, shift).bitwise_and_((1 << (bits - shift)) - 1)
+
+
+def _splitmix64(x: Tensor) -> Tensor:
+    """splitmix64's finaliser on int64 (multiplications wrap): a bijection mixing all bits."""
+    x = (x ^ _shr(x, 30, 64)) * _SPLITMIX1
+    x = (x ^ _shr(x, 27, 64)) * _SPLITMIX2
+    return x ^ _shr(x, 31, 64)
+
+
+def _lowbias32_(x: Tensor) -> Tensor:
+    """Wellons' lowbias32 hash on int32, in place. 32-bit per token: 3x faster than 64 on CPU."""
+    x ^= _shr(x, 16, 32)
+    x *= _LOWBIAS1
+    x ^= _shr(x, 15, 32)
+    x *= _LOWBIAS2
+    x ^= _shr(x, 16, 32)
+    return x
+
+
+def _to_int32(x: Tensor) -> Tensor:
+    """The low 32 bits of an int64 tensor, as int32."""
+    return (((x & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
+def uniform_noise(seeds: Tensor, positions: Tensor, width: int, stream: int = 0) -> Tensor:
+    """Uniforms in (0, 1): out[r, i] is a pure function of (seeds[r], positions[r], stream, i).
+
+    seeds, positions: [N] int64. Returns [N, width] float32, multiples of 2**-23 offset by
+    half a step, so never 0 or 1. A 64-bit key per row (splitmix64 of seed, stream, position)
+    is split into two 32-bit halves that key a two-round 32-bit hash of the column index.
+    """
+    stream_offset = _signed((stream + 1) * 0x9E3779B97F4A7C15, 64)
+    key = _splitmix64(_splitmix64(seeds + stream_offset) + positions * _GOLDEN64)
+    key_low, key_high = _to_int32(key)[:, None], _to_int32(_shr(key, 32, 64))[:, None]
+    columns = torch.arange(width, dtype=torch.int32, device=seeds.device) * _GOLDEN32
+    bits = _lowbias32_(_lowbias32_(columns + key_low) ^ key_high)
+    return _shr(bits, 9, 32).float().add_(0.5).mul_(2.0**-23)
+
+
+def random_sample(probs: Tensor, seeds: Tensor, positions: Tensor, stream: int = 0) -> Tensor:
+    """Draw one token per row of probs [N, V] (need not be normalised) -> [N] int64.
+
+    Exponential race: argmax(p_i / E_i) with E_i = -log(u_i) ~ Exp(1) picks i with
+    probability p_i / sum(p), and only compares within a row, so rows never interact.
+    """
+    exponentials = uniform_noise(seeds, positions, probs.shape[-1], stream).log_().neg_()
+    return (probs / exponentials).argmax(dim=-1)
+
+
+@dataclass
+class SampleRow:
+    """One row of logits to sample from."""
+
+    params: SamplingParams
+    seed: int
+    """The request's effective seed."""
+    position: int
+    """Index in prompt + output of the token being sampled (= number of tokens so far)."""
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Penalty tensors for the rows that use any penalty (the others are left alone)."""
+
+    rows: Tensor
+    """[P] int64 rows of the batch these apply to."""
+    repetition: Tensor
+    """[P, 1] float32 HF repetition penalty."""
+    presence: Tensor
+    """[P, 1] float32 OpenAI presence penalty."""
+    frequency: Tensor
+    """[P, 1] float32 OpenAI frequency penalty."""
+    seen: Tensor
+    """[P, V] bool: the token occurs in the prompt or the output."""
+    output_counts: Tensor
+    """[P, V] float32: occurrences of the token in the output."""
+
+    @staticmethod
+    def build(rows: list[SampleRow], vocab_size: int, device: torch.device) -> Penalties | None:
+        used = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+        if not used:
+            return None
+        chosen = [rows[i] for i in used]
+        prompts = _token_matrix([r.prompt_token_ids for r in chosen], vocab_size, device)
+        outputs = _token_matrix([r.output_token_ids for r in chosen], vocab_size, device)
+        seen = torch.zeros(len(used), vocab_size + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, prompts, True).scatter_(1, outputs, True)
+        counts = torch.zeros(len(used), vocab_size + 1, device=device)
+        counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
+
+        def column(name: str) -> Tensor:
+            values = [getattr(r.params, name) for r in chosen]
+            return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+        return Penalties(
+            rows=_int64(used, device),
+            repetition=column("repetition_penalty"),
+            presence=column("presence_penalty"),
+            frequency=column("frequency_penalty"),
+            seen=seen[:, :vocab_size],
+            output_counts=counts[:, :vocab_size],
+        )
+
+
+def _token_matrix(token_lists: list[Sequence[int]], pad: int, device: torch.device) -> Tensor:
+    """Token lists right-padded with `pad` (a spare column past the vocab) -> [P, L] int64."""
+    width = max(1, max(len(tokens) for tokens in token_lists))
+    padded = [[*tokens, *[pad] * (width - len(tokens))] for tokens in token_lists]
+    return torch.tensor(padded, dtype=torch.int64, device=device)
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """One step's per-row sampling parameters as tensors; None / flags let common cases skip.
+
+    Rows are the rows of the logits. Sampling-only tensors hold the R random (non-greedy)
+    rows, in the order of random_rows.
+    """
+
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    random_rows: Tensor
+    """[R] int64 rows sampled at random (temperature > 0)."""
+    temperature: Tensor | None
+    """[R, 1] float32; None when every random row has temperature 1."""
+    top_k: Tensor | None
+    """[R] int64 in [1, V]; None when no random row uses top-k."""
+    top_p: Tensor | None
+    """[R] float32; None when no random row uses top-p."""
+    min_p: Tensor | None
+    """[R] float32; None when no random row uses min-p."""
+    seeds: Tensor
+    """[R] int64 effective seeds (reduced to int64)."""
+    positions: Tensor
+    """[R] int64 positions of the tokens being sampled."""
+    penalties: Penalties | None
+    stop_mask: tuple[Tensor, Tensor] | None
+    """(rows [M], token ids [M]) set to -inf because their row is still below min_tokens."""
+    num_logprobs: tuple[int | None, ...]
+    """Per row: SamplingParams.logprobs."""
+    logprob_rows: Tensor | None
+    """[L] int64 rows that want logprobs; None when none do."""
+    max_num_logprobs: int
+    """The largest top-N any row asks for (0 when none)."""
+
+    @staticmethod
+    def build(
+        rows: list[SampleRow], vocab_size: int, device: torch.device | str = "cpu"
+    ) -> SamplingMetadata:
+        device = torch.device(device)
+        random = [i for i, row in enumerate(rows) if not row.params.greedy]
+        params = [rows[i].params for i in random]
+
+        def column(values: list, dtype: torch.dtype, used: bool) -> Tensor | None:
+            return torch.tensor(values, dtype=dtype, device=device) if used else None
+
+        temperatures = [p.temperature for p in params]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        num_logprobs = tuple(row.params.logprobs for row in rows)
+        logprob_rows = [i for i, n in enumerate(num_logprobs) if n is not None]
+        temperature = column(temperatures, torch.float32, any(t != 1.0 for t in temperatures))
+        return SamplingMetadata(
+            num_rows=len(rows),
+            vocab_size=vocab_size,
+            all_greedy=not random,
+            all_random=len(random) == len(rows),
+            random_rows=_int64(random, device),
+            temperature=None if temperature is None else temperature[:, None],
+            top_k=column(top_ks, torch.int64, any(k < vocab_size for k in top_ks)),
+            top_p=column(
+                [p.top_p for p in params], torch.float32, any(p.top_p < 1 for p in params)
+            ),
+            min_p=column(
+                [p.min_p for p in params], torch.float32, any(p.min_p > 0 for p in params)
+            ),
+            seeds=_int64([_signed(rows[i].seed, 64) for i in random], device),
+            positions=_int64([rows[i].position for i in random], device),
+            penalties=Penalties.build(rows, vocab_size, device),
+            stop_mask=_build_stop_mask(rows, vocab_size, device),
+            num_logprobs=num_logprobs,
+            logprob_rows=column(logprob_rows, torch.int64, bool(logprob_rows)),
+            max_num_logprobs=max((n for n in num_logprobs if n is not None), default=0),
+        )
+
+
+def _int64(values: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _build_stop_mask(
+    rows: list[SampleRow], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(row, token) pairs of eos and stop ids to forbid while a row is below min_tokens."""
+    pairs = [
+        (i, token)
+        for i, row in enumerate(rows)
+        if len(row.output_token_ids) < row.params.min_tokens
+        for token in {*row.eos_token_ids, *row.params.stop_token_ids}
+        if token < vocab_size
+    ]
+    if not pairs:
+        return None
+    masked_rows, tokens = zip(*pairs, strict=True)
+    return _int64(list(masked_rows), device), _int64(list(tokens), device)
+
+
+def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
+    """Repetition (HF: over prompt + output, positive logits divided, negative multiplied),
+    then presence and frequency (OpenAI: logit -= presence * (count > 0) + frequency * count,
+    over output only). Returns a new [N, V] tensor."""
+    rows = logits[penalties.rows]
+    repeated = torch.where(rows > 0, rows / penalties.repetition, rows * penalties.repetition)
+    rows = torch.where(penalties.seen, repeated, rows)
+    counts = penalties.output_counts
+    rows = rows - penalties.presence * (counts > 0) - penalties.frequency * counts
+    return logits.index_copy(0, penalties.rows, rows)
+
+
+def apply_top_k_top_p_min_p(
+    logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None
+) -> Tensor:
+    """Set to -inf what top-k [N] (1..V), then top-p [N] (smallest set reaching p, on the
+    top-k-renormalised distribution), then min-p [N] (below min_p x the top probability) drop.
+    Ties at the top-k boundary are all kept. The most likely token always survives.
+    """
+    if top_p is not None:
+        logits = _top_k_top_p_sorted(logits, top_k, top_p)
+    elif top_k is not None:
+        largest = logits.topk(int(top_k.max()), dim=-1).values
+        threshold = largest.gather(1, (top_k - 1)[:, None])
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if min_p is not None:
+        # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed.
+        threshold = logits.amax(dim=-1, keepdim=True) + min_p[:, None].log()
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    return logits
+
+
+def _top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tensor) -> Tensor:
+    ascending, order = logits.sort(dim=-1)
+    if top_k is not None:
+        threshold = ascending.gather(1, (logits.shape[-1] - top_k)[:, None])
+        ascending = ascending.masked_fill(ascending < threshold, float("-inf"))
+    # Drop a token when it and everything less likely sum to at most 1 - p: what stays
+    # above it still reaches p. The last (most likely) token always stays.
+    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
+    drop = mass_up_to <= 1 - top_p[:, None]
+    drop[:, -1] = False
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Penalties, then the min_tokens mask: the logits whose argmax greedy rows take."""
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    if meta.stop_mask is not None:
+        logits = logits.index_put(meta.stop_mask, logits.new_tensor(float("-inf")))
+    return logits
+
+
+def _random_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Processed logits [N, V] -> the distribution [R, V] each random row draws from."""
+    if not meta.all_random:
+        logits = logits[meta.random_rows]
+    if meta.temperature is not None:
+        logits = logits / meta.temperature
+    logits = apply_top_k_top_p_min_p(logits, meta.top_k, meta.top_p, meta.min_p)
+    return logits.softmax(dim=-1)
+
+
+def compute_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Raw logits [N, V] -> the distribution [N, V] the Sampler draws each row from: greedy
+    rows are one-hot at their argmax."""
+    logits = process_logits(logits.float(), meta)
+    if meta.all_random:
+        return _random_probs(logits, meta)
+    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if not meta.all_greedy:
+        probs[meta.random_rows] = _random_probs(logits, meta)
+    return probs
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    """One sampled token per row."""
+    logprobs: list[TokenLogprobs | None]
+    """Per row; None where SamplingParams.logprobs is None."""
+
+
+class Sampler:
+    """Samples one token per row of a step's logits, each row with its own parameters."""
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        raw_logprobs = None
+        if meta.logprob_rows is not None:
+            raw_logprobs = torch.log_softmax(logits[meta.logprob_rows], dim=-1)
+        token_ids = self._sample(process_logits(logits, meta), meta)
+        logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, token_ids, meta)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)
+        sampled = random_sample(_random_probs(logits, meta), meta.seeds, meta.positions)
+        if meta.all_random:
+            return sampled
+        return logits.argmax(dim=-1).index_copy_(0, meta.random_rows, sampled)
+
+
+def _gather_logprobs(
+    raw_logprobs: Tensor, token_ids: Tensor, meta: SamplingMetadata
+) -> list[TokenLogprobs | None]:
+    """raw_logprobs: [L, V] for meta.logprob_rows; token_ids: [N] sampled tokens."""
+    assert meta.logprob_rows is not None
+    sampled = token_ids[meta.logprob_rows][:, None]
+    sampled_logprob = raw_logprobs.gather(1, sampled)
+    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
+    top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    out: list[TokenLogprobs | None] = [None] * meta.num_rows
+    rows = meta.logprob_rows.tolist()
+    columns = zip(
+        sampled[:, 0].tolist(), sampled_logprob[:, 0].tolist(), ranks.tolist(), strict=True
+    )
+    for j, (row, (token, logprob, rank)) in enumerate(zip(rows, columns, strict=True)):
+        n = meta.num_logprobs[row] or 0
+        top_n = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
+        out[row] = TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top=top_n)
+    return out

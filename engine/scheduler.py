@@ -1,0 +1,309 @@
+"""The unified token-budget scheduler (vLLM V1 style).
+
+Every step gives each request a number of tokens to compute: a decode is 1 token (+ its
+speculative tokens), a prompt is as many as the budget allows (chunked prefill); there are no
+prefill/decode phases, only num_computed_tokens catching up with num_tokens. Running requests
+go first, then waiting ones with what is left of the budget. When KV blocks run out, the
+lowest-priority running request is preempted (its blocks freed; it later recomputes).
+
+No I/O and no torch here: schedule() returns plain data, update_from_output() folds results in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache.manager import NO_MATCH, KVCacheManager
+from engine.request import Request, RequestStatus, TokenLogprobs
+
+
+@dataclass
+class ScheduledChunk:
+    """One request's work in a step: compute token positions [start_pos, start_pos + len)."""
+
+    request_id: str
+    token_ids: list[int]
+    """Tokens to compute (prompt chunk, last sampled token, then any speculative tokens)."""
+    start_pos: int
+    """Position of token_ids[0] (= num_computed_tokens before the step)."""
+    block_ids: list[int]
+    """Every block the request holds, in position order."""
+    num_spec_tokens: int
+    """How many of token_ids' trailing tokens are speculative (to verify)."""
+    samples: bool
+    """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What to compute in one step, in batch order."""
+
+    chunks: list[ScheduledChunk]
+    num_batched_tokens: int
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    """Requests freed since the previous step (aborted), so workers can drop their state."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledTokens:
+    """What the model produced for one request in one step."""
+
+    token_ids: list[int]
+    """Accepted tokens (1 without speculation; 1 + accepted drafts with it)."""
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class RequestUpdate:
+    """A request's new tokens after a step, and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+    status: RequestStatus
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV cache manager."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # -- queues --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work: running requests first, then admissions."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        budget = self._schedule_running(budget, scheduled, preempted)
+        if not preempted:
+            self._schedule_waiting(budget, scheduled)
+        return self._build_output(scheduled, preempted)
+
+    def _schedule_running(
+        self, budget: int, scheduled: dict[str, int], preempted: list[str]
+    ) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            num_known = min(num_new, request.num_tokens - request.num_computed_tokens)
+            while (
+                self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_new - num_known)
+                is None
+            ):
+                victim = self._pick_victim()  # never None: request itself is running
+                assert victim is not None
+                budget += scheduled.get(victim.request_id, 0)
+                self._preempt(victim, scheduled, preempted)
+                if victim is request:
+                    break
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            prefix = (
+                self.kv.get_computed_blocks(request)
+                if request.num_computed_tokens == 0
+                else NO_MATCH
+            )
+            num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            if self.kv.allocate_slots(request, num_new, prefix) is None:
+                break
+            self.waiting.pop(0)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = prefix.num_tokens
+            request.num_computed_tokens += prefix.num_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        return max(min(num_new, budget, self.max_model_len - request.num_computed_tokens), 0)
+
+    def _pick_victim(self) -> Request | None:
+        """The running request to preempt: the latest arrival (fcfs), or the lowest priority
+        then latest arrival (priority)."""
+        candidates = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        if not candidates:
+            return None
+        if self.config.policy == "priority":
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, request: Request, scheduled: dict[str, int], preempted: list[str]) -> None:
+        """Free a running request's blocks; it goes back to the waiting queue to recompute."""
+        scheduled.pop(request.request_id, None)
+        self.kv.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids = []
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        preempted.append(request.request_id)
+        self._enqueue(request, front=True)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        if self.config.policy == "priority":
+            key = (request.priority, request.arrival_time)
+            index = next(
+                (i for i, r in enumerate(self.waiting) if (r.priority, r.arrival_time) > key),
+                len(self.waiting),
+            )
+            self.waiting.insert(index, request)
+        elif front:
+            self.waiting.insert(0, request)
+        else:
+            self.waiting.append(request)
+
+    def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+        chunks = []
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            start = request.num_computed_tokens
+            known = request.num_tokens - start
+            tokens = request.token_slice(start, start + min(num_new, known))
+            num_spec = max(num_new - known, 0)
+            tokens += request.spec_token_ids[:num_spec]
+            chunks.append(
+                ScheduledChunk(
+                    request_id=request_id,
+                    token_ids=tokens,
+                    start_pos=start,
+                    block_ids=self.kv.get_block_ids(request_id),
+                    num_spec_tokens=num_spec,
+                    samples=num_new >= known,
+                )
+            )
+        finished, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(chunks, sum(scheduled.values()), preempted, finished)
+
+    # -- folding results back --------------------------------------------------------------------
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, SampledTokens]
+    ) -> list[RequestUpdate]:
+        """Advance each scheduled request by what was computed; append sampled tokens, stop
+        requests that are done and free their blocks."""
+        updates = []
+        for chunk in output.chunks:
+            request = self.requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            result = sampled.get(chunk.request_id)
+            num_known = len(chunk.token_ids) - chunk.num_spec_tokens
+            if result is None:  # a prompt chunk that did not reach the end
+                request.num_computed_tokens += num_known
+                continue
+            # The last known token and the accepted drafts are now computed; the final sampled
+            # token is not (it is the input of the next step).
+            num_accepted_drafts = len(result.token_ids) - 1
+            request.num_computed_tokens += num_known + num_accepted_drafts
+            request.spec_token_ids = []
+            updates.append(self._append_tokens(request, result))
+        return updates
+
+    def _append_tokens(self, request: Request, result: SampledTokens) -> RequestUpdate:
+        logprobs = result.logprobs or [None] * len(result.token_ids)
+        new_ids: list[int] = []
+        new_logprobs: list[TokenLogprobs | None] = []
+        for token_id, logprob in zip(result.token_ids, logprobs, strict=True):
+            request.output_token_ids.append(token_id)
+            if logprob is not None:
+                request.output_logprobs.append(logprob)
+            new_ids.append(token_id)
+            new_logprobs.append(logprob)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self._finish(request, status)
+                break
+        return RequestUpdate(
+            request.request_id, new_ids, new_logprobs, request.finished, request.status
+        )
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if (
+            request.num_output_tokens >= params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (e.g. a stop string matched by the detokenizer)."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)

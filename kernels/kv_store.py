@@ -1,0 +1,86 @@
+"""Triton kernel: write this step's K/V into the paged cache at their slots."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_tile(
+    src_ptr,  # [Hkv, D] one token's K (or V), already advanced to that token
+    dst_ptr,  # [Hkv, D] the cache slot, already advanced to block, K/V index and offset
+    offs_h,  # [HKV_PAD] head indices
+    offs_d,  # [D_PAD] head_dim indices
+    mask,  # [HKV_PAD, D_PAD] in-bounds (and slot valid)
+    stride_sh, stride_sd,  # source strides (heads, head_dim)
+    stride_ch, stride_cd,  # cache strides (heads, head_dim)
+):
+    x = tl.load(src_ptr + offs_h[:, None] * stride_sh + offs_d[None, :] * stride_sd, mask=mask)
+    tl.store(
+        dst_ptr + offs_h[:, None] * stride_ch + offs_d[None, :] * stride_cd,
+        x.to(dst_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    k_ptr,  # [T, Hkv, D]
+    v_ptr,  # [T, Hkv, D]
+    kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, Hkv, D]
+    slot_mapping_ptr,  # [T] int32/int64; slot < 0 = padding token, not stored
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HKV_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,
+):
+    # grid = (T,): one program per token, moving its whole [Hkv, D] K and V.
+    t = tl.program_id(0).to(tl.int64)  # int64 so the offsets below cannot overflow
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    block_id = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    offs_h = tl.arange(0, HKV_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
+    dst = kv_cache_ptr + block_id * stride_cb + offset * stride_cs
+    _store_tile(k_ptr + t * stride_kt, dst, offs_h, offs_d, mask,
+                stride_kh, stride_kd, stride_ch, stride_cd)
+    _store_tile(v_ptr + t * stride_vt, dst + stride_ckv, offs_h, offs_d, mask,
+                stride_vh, stride_vd, stride_ch, stride_cd)
+
+
+def reshape_and_cache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], written in place
+    slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skipped
+) -> None:
+    """Store each token's K and V at its slot of the cache (same contract as
+    ``kernels.reference.reshape_and_cache_ref``)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
+    assert kv_cache.shape[1] == 2 and kv_cache.shape[3:] == (num_kv_heads, head_dim)
+    if num_tokens == 0:
+        return
+    _reshape_and_cache_kernel[(num_tokens,)](
+        k_ptr=k,
+        v_ptr=v,
+        kv_cache_ptr=kv_cache,
+        slot_mapping_ptr=slot_mapping,
+        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
+        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_vd=v.stride(2),
+        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1),
+        stride_cs=kv_cache.stride(2), stride_ch=kv_cache.stride(3),
+        stride_cd=kv_cache.stride(4),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HKV_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+    )

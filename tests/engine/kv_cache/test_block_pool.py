@@ -1,0 +1,83 @@
+import pytest
+
+from engine.kv_cache.block_pool import BlockPool
+
+
+def ids(blocks):
+    return [b.block_id for b in blocks]
+
+
+def test_null_block_is_never_handed_out():
+    pool = BlockPool(5)
+    assert pool.num_free_blocks == 4
+    assert ids(pool.get_new_blocks(4)) == [1, 2, 3, 4]
+    assert pool.null_block.block_id == 0 and pool.null_block.ref_cnt == 1
+    with pytest.raises(ValueError, match="cannot allocate 1 blocks, only 0 free"):
+        pool.get_new_blocks(1)
+
+
+def test_free_queue_order_follows_free_order():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(3)  # 1 2 3
+    assert pool.free_block_ids() == [4, 5]
+    pool.free_blocks(reversed(a))  # tail first: 3 2 1 appended
+    assert pool.free_block_ids() == [4, 5, 3, 2, 1]
+    assert all(b.ref_cnt == 0 for b in a)
+    assert ids(pool.get_new_blocks(3)) == [4, 5, 3]
+
+
+def test_ref_counts_and_touch():
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_block(b, b"h")
+    pool.touch([b])
+    assert b.ref_cnt == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 1 and pool.num_free_blocks == 2
+    pool.free_blocks([b])
+    assert b.ref_cnt == 0 and pool.free_block_ids() == [2, 3, 1]
+    # cached and free: reusable by hash; touching takes it out of the free queue
+    assert pool.get_cached_block(b"h") is b
+    pool.touch([b])
+    assert b.ref_cnt == 1 and pool.free_block_ids() == [2, 3]
+    with pytest.raises(RuntimeError, match="double free"):
+        pool.free_blocks([b, b])
+
+
+def test_eviction_clears_hash_lru_first():
+    pool = BlockPool(3)
+    b1, b2 = pool.get_new_blocks(2)
+    pool.cache_block(b1, b"one")
+    pool.cache_block(b2, b"two")
+    pool.free_blocks([b2, b1])  # b2 evicted first
+    (taken,) = pool.get_new_blocks(1)
+    assert taken is b2 and taken.block_hash is None
+    assert pool.get_cached_block(b"two") is None
+    assert pool.get_cached_block(b"one") is b1
+
+
+def test_duplicate_hash_keeps_first_block():
+    pool = BlockPool(4)
+    b1, b2 = pool.get_new_blocks(2)
+    assert pool.cache_block(b1, b"x") is b1
+    assert pool.cache_block(b2, b"x") is b1
+    assert b2.block_hash is None
+
+
+def test_caching_disabled_registers_nothing():
+    pool = BlockPool(3, enable_caching=False)
+    (b,) = pool.get_new_blocks(1)
+    pool.cache_block(b, b"x")
+    assert pool.get_cached_block(b"x") is None
+
+
+def test_usage_and_reset():
+    pool = BlockPool(5)
+    blocks = pool.get_new_blocks(2)
+    assert pool.usage == pytest.approx(0.5)
+    pool.cache_block(blocks[0], b"a")
+    assert pool.reset_prefix_cache() is False
+    pool.free_blocks(blocks)
+    assert pool.usage == 0.0
+    assert pool.reset_prefix_cache() is True
+    assert pool.get_cached_block(b"a") is None
