@@ -68,16 +68,19 @@ def paged_attn_block_loop(
     tile_offs = offs_s[:, None] * stride_cs + offs_d[None, :] * stride_cd  # [BLOCK_SIZE, D_PAD]
     for j in range(0, num_blocks):
         block_id = tl.load(block_table_ptr + j).to(tl.int64)
+        k_pos = j * BLOCK_SIZE + offs_s  # [BLOCK_SIZE] positions of this block's keys
+        # Slots past seq_len hold stale or uninitialised data (maybe NaN, and 0 * NaN = NaN
+        # in p @ V): load zeros there instead.
+        kv_mask = d_mask & (k_pos[:, None] < seq_len)
         k_ptrs = kv_head_ptr + block_id * stride_cb + tile_offs
-        k = tl.load(k_ptrs, mask=d_mask, other=0.0)  # [BLOCK_SIZE, D_PAD]
-        v = tl.load(k_ptrs + stride_ckv, mask=d_mask, other=0.0)
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_SIZE, D_PAD]
+        v = tl.load(k_ptrs + stride_ckv, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [M, BLOCK_SIZE]
         else:
             s = tl.dot(q, tl.trans(k))
-        k_pos = j * BLOCK_SIZE + offs_s
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < seq_len)
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -13,9 +13,11 @@ def _store_tile(
     dst_ptr,  # [Hkv, D] the cache slot, already advanced to block, K/V index and offset
     offs_h,  # [HKV_PAD] head indices
     offs_d,  # [D_PAD] head_dim indices
-    mask,  # [HKV_PAD, D_PAD] in-bounds (and slot valid)
-    stride_sh, stride_sd,  # source strides (heads, head_dim)
-    stride_ch, stride_cd,  # cache strides (heads, head_dim)
+    mask,  # [HKV_PAD, D_PAD] in-bounds
+    stride_sh,
+    stride_sd,  # source strides (heads, head_dim)
+    stride_ch,
+    stride_cd,  # cache strides (heads, head_dim)
 ):
     x = tl.load(src_ptr + offs_h[:, None] * stride_sh + offs_d[None, :] * stride_sd, mask=mask)
     tl.store(
@@ -31,9 +33,17 @@ def _reshape_and_cache_kernel(
     v_ptr,  # [T, Hkv, D]
     kv_cache_ptr,  # [num_blocks, 2, BLOCK_SIZE, Hkv, D]
     slot_mapping_ptr,  # [T] int32/int64; slot < 0 = padding token, not stored
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_cd,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HKV_PAD: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
@@ -43,16 +53,28 @@ def _reshape_and_cache_kernel(
     # grid = (T,): one program per token, moving its whole [Hkv, D] K and V.
     t = tl.program_id(0).to(tl.int64)  # int64 so the offsets below cannot overflow
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:  # padding token
+        return
     block_id = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     offs_h = tl.arange(0, HKV_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM) & (slot >= 0)
+    mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     dst = kv_cache_ptr + block_id * stride_cb + offset * stride_cs
-    _store_tile(k_ptr + t * stride_kt, dst, offs_h, offs_d, mask,
-                stride_kh, stride_kd, stride_ch, stride_cd)
-    _store_tile(v_ptr + t * stride_vt, dst + stride_ckv, offs_h, offs_d, mask,
-                stride_vh, stride_vd, stride_ch, stride_cd)
+    _store_tile(
+        k_ptr + t * stride_kt, dst, offs_h, offs_d, mask, stride_kh, stride_kd, stride_ch, stride_cd
+    )
+    _store_tile(
+        v_ptr + t * stride_vt,
+        dst + stride_ckv,
+        offs_h,
+        offs_d,
+        mask,
+        stride_vh,
+        stride_vd,
+        stride_ch,
+        stride_cd,
+    )
 
 
 def reshape_and_cache(
@@ -73,10 +95,16 @@ def reshape_and_cache(
         v_ptr=v,
         kv_cache_ptr=kv_cache,
         slot_mapping_ptr=slot_mapping,
-        stride_kt=k.stride(0), stride_kh=k.stride(1), stride_kd=k.stride(2),
-        stride_vt=v.stride(0), stride_vh=v.stride(1), stride_vd=v.stride(2),
-        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1),
-        stride_cs=kv_cache.stride(2), stride_ch=kv_cache.stride(3),
+        stride_kt=k.stride(0),
+        stride_kh=k.stride(1),
+        stride_kd=k.stride(2),
+        stride_vt=v.stride(0),
+        stride_vh=v.stride(1),
+        stride_vd=v.stride(2),
+        stride_cb=kv_cache.stride(0),
+        stride_ckv=kv_cache.stride(1),
+        stride_cs=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3),
         stride_cd=kv_cache.stride(4),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

@@ -23,9 +23,17 @@ def _paged_decode_kernel(
     block_tables_ptr,  # [B, max_blocks] int32/int64, padded with the null block 0
     seq_lens_ptr,  # [B] int32/int64: context length including the query token
     qk_scale,  # softmax scale * log2(e)
-    stride_qb, stride_qh, stride_qd,
-    stride_ob, stride_oh, stride_od,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_cd,
     stride_btb,  # block table stride between requests
     QUERY_GROUP: tl.constexpr,  # Hq // Hkv: query heads sharing one KV head
     GROUP_PAD: tl.constexpr,  # QUERY_GROUP rounded up to a power of two >= 16 (tl.dot rows)
@@ -47,7 +55,8 @@ def _paged_decode_kernel(
     mask = (offs_g[:, None] < QUERY_GROUP) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(
         q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-        mask=mask, other=0.0,
+        mask=mask,
+        other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
@@ -60,14 +69,24 @@ def _paged_decode_kernel(
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = paged_attn_block_loop(
-        acc, m_i, l_i, q, q_pos,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
         kv_cache_ptr + kvh * stride_ch,
         block_tables_ptr + b * stride_btb,
         tl.cdiv(seq_len, BLOCK_SIZE),
         seq_len,
         qk_scale,
-        stride_cb, stride_ckv, stride_cs, stride_cd,
-        BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, UPCAST=UPCAST,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        stride_cd,
+        BLOCK_SIZE=BLOCK_SIZE,
+        HEAD_DIM=HEAD_DIM,
+        HEAD_DIM_PAD=HEAD_DIM_PAD,
+        UPCAST=UPCAST,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # seq_len 0 (padding request): output zeros
     out = acc / l_i[:, None]
@@ -104,10 +123,16 @@ def paged_decode_attention(
         block_tables_ptr=block_tables,
         seq_lens_ptr=seq_lens,
         qk_scale=float(scale) * LOG2E,
-        stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
-        stride_ob=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1),
-        stride_cs=kv_cache.stride(2), stride_ch=kv_cache.stride(3),
+        stride_qb=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qd=q.stride(2),
+        stride_ob=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_od=out.stride(2),
+        stride_cb=kv_cache.stride(0),
+        stride_ckv=kv_cache.stride(1),
+        stride_cs=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3),
         stride_cd=kv_cache.stride(4),
         stride_btb=block_tables.stride(0),
         QUERY_GROUP=group,

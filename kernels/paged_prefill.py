@@ -25,9 +25,17 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,  # [B + 1] int32/int64: request b's queries are rows qsl[b]:qsl[b+1]
     seq_lens_ptr,  # [B] int32/int64: context length including this step's tokens
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_qd,
-    stride_ot, stride_oh, stride_od,
-    stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_cb,
+    stride_ckv,
+    stride_cs,
+    stride_ch,
+    stride_cd,
     stride_btb,  # block table stride between requests
     QUERY_GROUP: tl.constexpr,  # Hq // Hkv
     HEAD_DIM: tl.constexpr,
@@ -55,7 +63,8 @@ def _paged_prefill_kernel(
     rows = q_start + offs_m
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-        mask=mask, other=0.0,
+        mask=mask,
+        other=0.0,
     )
     if UPCAST:
         q = q.to(tl.float32)
@@ -71,14 +80,24 @@ def _paged_prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = paged_attn_block_loop(
-        acc, m_i, l_i, q, q_pos,
+        acc,
+        m_i,
+        l_i,
+        q,
+        q_pos,
         kv_cache_ptr + kvh * stride_ch,
         block_tables_ptr + b * stride_btb,
         tl.cdiv(keys_seen, BLOCK_SIZE),
         seq_len,
         qk_scale,
-        stride_cb, stride_ckv, stride_cs, stride_cd,
-        BLOCK_SIZE=BLOCK_SIZE, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD, UPCAST=UPCAST,
+        stride_cb,
+        stride_ckv,
+        stride_cs,
+        stride_cd,
+        BLOCK_SIZE=BLOCK_SIZE,
+        HEAD_DIM=HEAD_DIM,
+        HEAD_DIM_PAD=HEAD_DIM_PAD,
+        UPCAST=UPCAST,
     )
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past query_len: never stored
     out = acc / l_i[:, None]
@@ -125,10 +144,16 @@ def paged_prefill_attention(
         query_start_loc_ptr=query_start_loc,
         seq_lens_ptr=seq_lens,
         qk_scale=float(scale) * LOG2E,
-        stride_qt=q.stride(0), stride_qh=q.stride(1), stride_qd=q.stride(2),
-        stride_ot=out.stride(0), stride_oh=out.stride(1), stride_od=out.stride(2),
-        stride_cb=kv_cache.stride(0), stride_ckv=kv_cache.stride(1),
-        stride_cs=kv_cache.stride(2), stride_ch=kv_cache.stride(3),
+        stride_qt=q.stride(0),
+        stride_qh=q.stride(1),
+        stride_qd=q.stride(2),
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_od=out.stride(2),
+        stride_cb=kv_cache.stride(0),
+        stride_ckv=kv_cache.stride(1),
+        stride_cs=kv_cache.stride(2),
+        stride_ch=kv_cache.stride(3),
         stride_cd=kv_cache.stride(4),
         stride_btb=block_tables.stride(0),
         QUERY_GROUP=num_q_heads // num_kv_heads,

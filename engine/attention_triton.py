@@ -1,0 +1,61 @@
+"""GPU path of ``engine.attention.paged_attention``: the same contract, on the Triton
+kernels of ``kernels/`` (store the new K/V, decode kernel on the decode part, varlen
+prefill kernel on the multi-token requests)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+
+
+def triton_paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal attention of q over each request's cached context plus this step's k/v, which
+    are written into kv_cache first. Same contract as ``engine.attention.paged_attention``."""
+    reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        paged_decode_attention(
+            q[:nd],
+            kv_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            scale,
+            out=out[:nd],
+        )
+    if meta.prefills:
+        seqs = meta.prefills
+        first = seqs[0].query_start
+        assert first == nd, "the multi-token requests follow the decodes"
+        # The prefills are contiguous and in batch order: one varlen launch over q[nd:end].
+        starts = [s.query_start - first for s in seqs]
+        for s, nxt in zip(seqs, starts[1:], strict=False):
+            assert s.query_start - first + s.query_len == nxt, "prefills must be contiguous"
+        end = seqs[-1].query_start + seqs[-1].query_len
+        query_start_loc = torch.tensor(starts + [end - first], dtype=torch.int32)
+        seq_lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
+        block_tables = torch.nn.utils.rnn.pad_sequence(
+            [s.block_table.to(q.device, torch.int64) for s in seqs],
+            batch_first=True,
+            padding_value=0,  # pad with the null block
+        )
+        paged_prefill_attention(
+            q[first:end],
+            kv_cache,
+            block_tables,
+            query_start_loc.to(q.device, non_blocking=True),
+            seq_lens.to(q.device, non_blocking=True),
+            scale,
+            max_query_len=max(s.query_len for s in seqs),
+            out=out[first:end],
+        )
+    return out
