@@ -103,7 +103,10 @@ class SampleRow:
 
 @dataclass(frozen=True)
 class Penalties:
-    """Penalty tensors for the rows that use any penalty (the others are left alone)."""
+    """Penalty tensors for the rows that use any penalty (the others are left alone).
+
+    Token matrices are right-padded with V, a spare column past the vocab, so penalties
+    touch only the tokens a row has seen instead of all V."""
 
     rows: Tensor
     """[P] int64 rows of the batch these apply to."""
@@ -113,10 +116,12 @@ class Penalties:
     """[P, 1] float32 OpenAI presence penalty."""
     frequency: Tensor
     """[P, 1] float32 OpenAI frequency penalty."""
-    seen: Tensor
-    """[P, V] bool: the token occurs in the prompt or the output."""
+    seen_tokens: Tensor
+    """[P, S] int64 prompt + output tokens, duplicates included."""
+    output_tokens: Tensor
+    """[P, O] int64 output tokens, duplicates included."""
     output_counts: Tensor
-    """[P, V] float32: occurrences of the token in the output."""
+    """[P, O] float32: occurrences in the output of output_tokens[p, j]."""
 
     @staticmethod
     def build(rows: list[SampleRow], vocab_size: int, device: torch.device) -> Penalties | None:
@@ -124,10 +129,8 @@ class Penalties:
         if not used:
             return None
         chosen = [rows[i] for i in used]
-        prompts = _token_matrix([r.prompt_token_ids for r in chosen], vocab_size, device)
+        seen = [[*r.prompt_token_ids, *r.output_token_ids] for r in chosen]
         outputs = _token_matrix([r.output_token_ids for r in chosen], vocab_size, device)
-        seen = torch.zeros(len(used), vocab_size + 1, dtype=torch.bool, device=device)
-        seen.scatter_(1, prompts, True).scatter_(1, outputs, True)
         counts = torch.zeros(len(used), vocab_size + 1, device=device)
         counts.scatter_add_(1, outputs, torch.ones_like(outputs, dtype=torch.float32))
 
@@ -140,8 +143,9 @@ class Penalties:
             repetition=column("repetition_penalty"),
             presence=column("presence_penalty"),
             frequency=column("frequency_penalty"),
-            seen=seen[:, :vocab_size],
-            output_counts=counts[:, :vocab_size],
+            seen_tokens=_token_matrix(seen, vocab_size, device),
+            output_tokens=outputs,
+            output_counts=counts.gather(1, outputs),
         )
 
 
@@ -252,28 +256,36 @@ def _build_stop_mask(
 def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
     """Repetition (HF: over prompt + output, positive logits divided, negative multiplied),
     then presence and frequency (OpenAI: logit -= presence * (count > 0) + frequency * count,
-    over output only). Returns a new [N, V] tensor."""
-    rows = logits[penalties.rows]
-    repeated = torch.where(rows > 0, rows / penalties.repetition, rows * penalties.repetition)
-    rows = torch.where(penalties.seen, repeated, rows)
-    counts = penalties.output_counts
-    rows = rows - penalties.presence * (counts > 0) - penalties.frequency * counts
-    return logits.index_copy(0, penalties.rows, rows)
+    over output only). Returns a new [N, V] tensor.
+
+    A token listed twice is written twice with the same value, so duplicates are harmless.
+    """
+    p = penalties
+    rows = torch.nn.functional.pad(logits[p.rows], (0, 1))  # column V absorbs the padding
+    seen = rows.gather(1, p.seen_tokens)
+    rows.scatter_(1, p.seen_tokens, torch.where(seen > 0, seen / p.repetition, seen * p.repetition))
+    offset = p.presence * (p.output_counts > 0) + p.frequency * p.output_counts
+    rows.scatter_(1, p.output_tokens, rows.gather(1, p.output_tokens) - offset)
+    return logits.index_copy(0, p.rows, rows[:, :-1])
+
+
+_TOP_P_CANDIDATES = 256
+"""Top-p first looks for the nucleus among this many most likely tokens (a partial sort)."""
 
 
 def apply_top_k_top_p_min_p(
     logits: Tensor, top_k: Tensor | None, top_p: Tensor | None, min_p: Tensor | None
 ) -> Tensor:
-    """Set to -inf what top-k [N] (1..V), then top-p [N] (smallest set reaching p, on the
-    top-k-renormalised distribution), then min-p [N] (below min_p x the top probability) drop.
-    Ties at the top-k boundary are all kept. The most likely token always survives.
+    """Set to -inf what top-k [N] (1..V; V keeps all), then top-p [N] (keep the smallest set
+    of most likely tokens whose probability reaches top_p, on the top-k-renormalised
+    distribution), then min-p [N] (probability below min_p x the top one) drop.
+    Ties at a boundary are all kept; the most likely token always survives.
     """
+    if top_k is not None:
+        logits = _apply_top_k(logits, top_k)
     if top_p is not None:
-        logits = _top_k_top_p_sorted(logits, top_k, top_p)
-    elif top_k is not None:
-        largest = logits.topk(int(top_k.max()), dim=-1).values
-        threshold = largest.gather(1, (top_k - 1)[:, None])
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < _top_p_threshold(probs, top_p), float("-inf"))
     if min_p is not None:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed.
         threshold = logits.amax(dim=-1, keepdim=True) + min_p[:, None].log()
@@ -281,18 +293,38 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def _top_k_top_p_sorted(logits: Tensor, top_k: Tensor | None, top_p: Tensor) -> Tensor:
-    ascending, order = logits.sort(dim=-1)
-    if top_k is not None:
-        threshold = ascending.gather(1, (logits.shape[-1] - top_k)[:, None])
-        ascending = ascending.masked_fill(ascending < threshold, float("-inf"))
-    # Drop a token when it and everything less likely sum to at most 1 - p: what stays
-    # above it still reaches p. The last (most likely) token always stays.
-    mass_up_to = ascending.softmax(dim=-1).cumsum(dim=-1)
-    drop = mass_up_to <= 1 - top_p[:, None]
-    drop[:, -1] = False
-    ascending = ascending.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+def _apply_top_k(logits: Tensor, top_k: Tensor) -> Tensor:
+    vocab_size = logits.shape[-1]
+    limited = top_k < vocab_size
+    # Partial-sort only as deep as the rows that limit k need (a full sort costs ~50x more).
+    depth = int(torch.where(limited, top_k, 1).max())
+    largest = logits.topk(depth, dim=-1).values
+    threshold = largest.gather(1, (top_k.clamp(max=depth) - 1)[:, None])
+    threshold = threshold.masked_fill(~limited[:, None], float("-inf"))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _top_p_threshold(probs: Tensor, top_p: Tensor) -> Tensor:
+    """[N, 1]: the probability of the least likely token in each row's nucleus (0 for p = 1).
+
+    Searches the top _TOP_P_CANDIDATES tokens; rows whose nucleus is not within them (flat
+    distributions) fall back to a full sort.
+    """
+    top_p = top_p[:, None]
+    candidates = probs.topk(min(_TOP_P_CANDIDATES, probs.shape[-1]), dim=-1).values
+    threshold = _nucleus_floor(candidates, top_p)
+    unresolved = (candidates.sum(dim=-1, keepdim=True) < top_p).squeeze(1)
+    if candidates.shape[-1] < probs.shape[-1] and bool(unresolved.any()):
+        everything = probs[unresolved].sort(dim=-1, descending=True).values
+        threshold[unresolved] = _nucleus_floor(everything, top_p[unresolved])
+    return threshold.masked_fill(top_p >= 1, 0.0)
+
+
+def _nucleus_floor(descending: Tensor, top_p: Tensor) -> Tensor:
+    """A token is in the nucleus while what is more likely than it sums to less than p."""
+    mass_before = descending.cumsum(dim=-1) - descending
+    num_kept = (mass_before < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
+    return descending.gather(1, num_kept - 1)
 
 
 def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:

@@ -1,0 +1,169 @@
+"""The `pdserve` command line: one entry point, one sub-command per job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+logger = logging.getLogger("pdserve")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named like vLLM's where the meaning matches."""
+    p.add_argument("--model", required=True, help="model directory (Hugging Face format)")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="weights and KV cache dtype; auto = the checkpoint's (float16 becomes bfloat16)",
+    )
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one scheduler step (prefill chunks + decodes)",
+    )
+    p.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest prompt + output; default: the model's max_position_embeddings",
+    )
+    p.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="reuse KV blocks of shared prompt prefixes (default on)",
+    )
+    p.add_argument(
+        "--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)"
+    )
+    p.add_argument(
+        "--kv-cache-memory", type=float, default=4.0,
+        help="KV cache size in GiB (the CPU analogue of --gpu-memory-utilization)",
+    )
+    p.add_argument(
+        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+        help="admission/preemption order: arrival, or priority then arrival",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed for requests without one of their own")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The LLM(...) keyword arguments from parsed engine flags."""
+    return dict(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_blocks=args.num_blocks,
+        kv_cache_memory=args.kv_cache_memory,
+        policy=args.scheduling_policy,
+        seed=args.seed,
+    )
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
+    from pdserve.make_model import make_model
+
+    make_model(args.arch, args.preset, args.out, seed=args.seed)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        repetition_penalty=args.repetition_penalty,
+        stop=tuple(args.stop or ()),
+        ignore_eos=args.ignore_eos,
+    )
+    prompts = args.prompts
+    if args.chat:
+        tok = llm.get_tokenizer()
+        prompts = [
+            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            for p in prompts
+        ]
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(args.prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        if args.json:
+            record = {
+                "prompt": prompt,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+            }
+            sys.stdout.write(json.dumps(record) + "\n")
+        else:
+            sys.stdout.write(f"{prompt}{completion.text}\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve", description="LLM inference and serving with disaggregated prefill/decode."
+    )
+    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mm = sub.add_parser(
+        "make-model", help="write a small random HF-format model + tokenizer",
+        description="Write a Hugging Face-format model directory with seeded random weights and "
+        "a byte-level BPE tokenizer trained locally (no downloads).",
+    )
+    mm.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
+                    help="model family")
+    mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench"],
+                    help="size: tiny ~2-5M params (tests), small ~20-40M, bench ~100-150M")
+    mm.add_argument("--out", required=True, help="output directory")
+    mm.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
+    mm.set_defaults(func=cmd_make_model)
+
+    gen = sub.add_parser(
+        "generate", help="generate offline from prompts",
+        description="Run the engine offline on the given prompts and write the completions.",
+    )
+    add_engine_args(gen)
+    gen.add_argument("prompts", nargs="+", help="prompt texts")
+    gen.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = all)")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p * max prob")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style penalty")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past eos")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="write one JSON record per prompt")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates or refreshes the project's virtual environment (.venv at the repository root).
+# Re-installs only when pyproject.toml changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+  .venv/bin/pip install -q --upgrade pip
+fi
+stamp=.venv/.pdserve-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  # torch first, pinned: the CPU build this machine's pip serves (an unpinned torch is CUDA, GBs)
+  .venv/bin/pip install -q torch==2.13.0
+  .venv/bin/pip install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi
