@@ -148,6 +148,7 @@ class LLM:
                             update.request_id, RequestStatus.FINISHED_STOPPED
                         )
                     if item.request.finished and update.request_id in pending:
+                        item.close()
                         pending.discard(update.request_id)
                         bar.update(1)
                 if not self.engine.has_unfinished_requests() and pending:
@@ -191,6 +192,11 @@ class _Tracked:
                 self.stop_reason = stop
                 return True
         return False
+
+    def close(self) -> None:
+        """The request ended: flush text held back for an incomplete character."""
+        if self.stop_reason is None:
+            self.text += self.detok.finish()
 
     def completion(self) -> CompletionOutput:
         request = self.request

@@ -21,7 +21,13 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
 _SPECIAL_TOKEN_KEYS = (
-    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
 )
 _REPLACEMENT_CHAR = "\ufffd"
 
@@ -69,10 +75,16 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     def raise_exception(message: str) -> None:
         raise jinja2.exceptions.TemplateError(message)
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
@@ -85,9 +97,18 @@ def _compile_chat_template(template: str) -> jinja2.Template:
 
 def clean_up_tokenization(text: str) -> str:
     """transformers' clean_up_tokenization (spaces before punctuation and contractions)."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
-                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
-                          (" 're", "'re")):
+    for before, after in (
+        (" .", "."),
+        (" ?", "?"),
+        (" !", "!"),
+        (" ,", ","),
+        (" ' ", "'"),
+        (" n't", "n't"),
+        (" 'm", "'m"),
+        (" 's", "'s"),
+        (" 've", "'ve"),
+        (" 're", "'re"),
+    ):
         text = text.replace(before, after)
     return text
 
@@ -118,10 +139,14 @@ class Tokenizer:
             raise ValueError(f"{model_dir!r} has no tokenizer.json")
         backend = HFTokenizer.from_file(path)
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
-        special = _special_tokens(config, _read_json(os.path.join(model_dir, "special_tokens_map.json")))
+        special = _special_tokens(
+            config, _read_json(os.path.join(model_dir, "special_tokens_map.json"))
+        )
         missing = [t for t in special.values() if backend.token_to_id(t) is None]
         if missing:  # transformers adds named special tokens the vocabulary lacks
-            backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+            backend.add_special_tokens(
+                [AddedToken(t, special=True, normalized=False) for t in missing]
+            )
         # Like transformers 5: with a tokenizer.json, its post-processor alone decides bos/eos
         # (tokenizer_config.json's add_bos_token / add_eos_token are ignored).
         is_bpe = type(backend.model).__name__ == "BPE"

@@ -15,32 +15,47 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named like vLLM's where the meaning matches."""
     p.add_argument("--model", required=True, help="model directory (Hugging Face format)")
     p.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
         help="weights and KV cache dtype; auto = the checkpoint's (float16 becomes bfloat16)",
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
         help="token budget of one scheduler step (prefill chunks + decodes)",
     )
     p.add_argument(
-        "--max-model-len", type=int, default=None,
+        "--max-model-len",
+        type=int,
+        default=None,
         help="longest prompt + output; default: the model's max_position_embeddings",
     )
     p.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="reuse KV blocks of shared prompt prefixes (default on)",
     )
     p.add_argument(
-        "--num-blocks", type=int, default=None, help="number of KV blocks (overrides --kv-cache-memory)"
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="number of KV blocks (overrides --kv-cache-memory)",
     )
     p.add_argument(
-        "--kv-cache-memory", type=float, default=4.0,
+        "--kv-cache-memory",
+        type=float,
+        default=4.0,
         help="KV cache size in GiB (the CPU analogue of --gpu-memory-utilization)",
     )
     p.add_argument(
-        "--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority"],
         help="admission/preemption order: arrival, or priority then arrival",
     )
     p.add_argument("--seed", type=int, default=0, help="seed for requests without one of their own")
@@ -117,20 +132,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mm = sub.add_parser(
-        "make-model", help="write a small random HF-format model + tokenizer",
+        "make-model",
+        help="write a small random HF-format model + tokenizer",
         description="Write a Hugging Face-format model directory with seeded random weights and "
         "a byte-level BPE tokenizer trained locally (no downloads).",
     )
-    mm.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"],
-                    help="model family")
-    mm.add_argument("--preset", default="tiny", choices=["tiny", "small", "bench"],
-                    help="size: tiny ~2-5M params (tests), small ~20-40M, bench ~100-150M")
+    mm.add_argument(
+        "--arch",
+        default="llama",
+        choices=["llama", "qwen2", "qwen3", "mistral"],
+        help="model family",
+    )
+    mm.add_argument(
+        "--preset",
+        default="tiny",
+        choices=["tiny", "small", "bench"],
+        help="size: tiny ~2-5M params (tests), small ~20-40M, bench ~100-150M",
+    )
     mm.add_argument("--out", required=True, help="output directory")
     mm.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
     mm.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser(
-        "generate", help="generate offline from prompts",
+        "generate",
+        help="generate offline from prompts",
         description="Run the engine offline on the given prompts and write the completions.",
     )
     add_engine_args(gen)

@@ -26,7 +26,11 @@ ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 PRESETS = ("tiny", "small", "bench")
 
 BOS, EOT, IM_START, IM_END, PAD = (
-    "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>",
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|pad|>",
 )
 SPECIAL_TOKENS = (BOS, EOT, IM_START, IM_END, PAD)  # ids 0..4, in this order
 _CORPUS_CAP_CHARS = 2_000_000
@@ -109,7 +113,10 @@ def _llama_extras(p: Preset) -> dict[str, Any]:
     # llama3 RoPE scaling with a short original context so that all three frequency bands
     # (kept, interpolated, divided) occur within the head dimension.
     rope = {
-        "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "rope_type": "llama3",
+        "factor": 4.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
         "original_max_position_embeddings": p.max_position_embeddings // 8,
     }
     return {"rope_scaling": rope, "attention_bias": False, "mlp_bias": False}
@@ -122,7 +129,9 @@ def _qwen2_extras(p: Preset) -> dict[str, Any]:
 def _qwen3_extras(p: Preset) -> dict[str, Any]:
     # Qwen3-style explicit head_dim, twice hidden_size / num_heads.
     return {
-        **_qwen2_extras(p), "head_dim": 2 * p.hidden_size // p.num_heads, "attention_bias": False,
+        **_qwen2_extras(p),
+        "head_dim": 2 * p.hidden_size // p.num_heads,
+        "attention_bias": False,
     }
 
 
@@ -131,7 +140,10 @@ def _mistral_extras(p: Preset) -> dict[str, Any]:
 
 
 _ARCH_EXTRAS = {
-    "llama": _llama_extras, "qwen2": _qwen2_extras, "qwen3": _qwen3_extras, "mistral": _mistral_extras,
+    "llama": _llama_extras,
+    "qwen2": _qwen2_extras,
+    "qwen3": _qwen3_extras,
+    "mistral": _mistral_extras,
 }
 
 
@@ -234,10 +246,12 @@ def train_tokenizer(vocab_size: int) -> str:
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -257,7 +271,8 @@ def make_tokenizer_json(arch: str, vocab_size: int) -> str:
     tok = Tokenizer.from_str(train_tokenizer(vocab_size))
     if arch in ("llama", "mistral"):
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS}:0 $A:0", pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
+            single=f"{BOS}:0 $A:0",
+            pair=f"{BOS}:0 $A:0 {BOS}:1 $B:1",
             special_tokens=[(BOS, SPECIAL_TOKENS.index(BOS))],
         )
     else:
@@ -270,8 +285,14 @@ def _tokenizer_files(arch: str, config: dict[str, Any]) -> dict[str, dict[str, A
     llama_like = arch in ("llama", "mistral")
     special = {"bos_token": BOS if llama_like else None, "eos_token": IM_END, "pad_token": PAD}
     added = {
-        str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
-                 "single_word": False, "special": True}
+        str(i): {
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
         for i, t in enumerate(SPECIAL_TOKENS)
     }
     bos_prefix = "{{ bos_token }}" if llama_like else ""
@@ -304,11 +325,14 @@ def make_model(arch: str, preset: str, out: str, seed: int = 0) -> None:
     config = make_config(arch, preset, tokenizer_size)
     os.makedirs(out, exist_ok=True)
     _write_json(os.path.join(out, "config.json"), config)
-    _write_json(os.path.join(out, "generation_config.json"), {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(EOT)],
-        "pad_token_id": config["pad_token_id"],
-    })
+    _write_json(
+        os.path.join(out, "generation_config.json"),
+        {
+            "bos_token_id": config["bos_token_id"],
+            "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(EOT)],
+            "pad_token_id": config["pad_token_id"],
+        },
+    )
     with open(os.path.join(out, "tokenizer.json"), "w", encoding="utf-8") as f:
         f.write(tokenizer_json)
     for name, obj in _tokenizer_files(arch, config).items():
@@ -317,5 +341,10 @@ def make_model(arch: str, preset: str, out: str, seed: int = 0) -> None:
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     logger.info(
         "wrote %s/%s model (%.1fM params, vocab %d, seed %d) to %s",
-        arch, preset, sum(w.numel() for w in weights.values()) / 1e6, config["vocab_size"], seed, out,
+        arch,
+        preset,
+        sum(w.numel() for w in weights.values()) / 1e6,
+        config["vocab_size"],
+        seed,
+        out,
     )

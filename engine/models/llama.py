@@ -36,7 +36,9 @@ _UNFUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_p
 
 def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Parameter:
     # Uninitialised (the loader fills every parameter): no init cost at start-up.
-    data = torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    data = (
+        torch.empty(*shape, dtype=dtype) if fill is None else torch.full(shape, fill, dtype=dtype)
+    )
     return nn.Parameter(data, requires_grad=False)
 
 
@@ -114,11 +116,15 @@ class Attention(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            arch.num_heads, arch.num_kv_heads, arch.head_dim,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
         )
         q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = Linear(arch.hidden_size, (q_size, kv_size, kv_size), arch.attention_bias, dtype)
+        self.qkv_proj = Linear(
+            arch.hidden_size, (q_size, kv_size, kv_size), arch.attention_bias, dtype
+        )
         self.o_proj = Linear(q_size, (arch.hidden_size,), arch.o_proj_bias, dtype)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -195,7 +201,8 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = dtype
         self.model = LlamaModel(arch, dtype)
         self.lm_head = (
-            None if arch.tie_word_embeddings
+            None
+            if arch.tie_word_embeddings
             else Linear(arch.hidden_size, (arch.vocab_size,), False, dtype)
         )
         cos, sin = rope_cos_sin(arch, dtype)

@@ -44,10 +44,12 @@ def reference(request):
     with torch.inference_mode():
         for ids, n in zip(prompts, max_tokens, strict=True):
             out = hf.generate(
-                torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                torch.tensor([ids]),
+                max_new_tokens=n,
+                do_sample=False,
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             )
-            outputs.append(out[0, len(ids):].tolist())
+            outputs.append(out[0, len(ids) :].tolist())
     return model_dir, prompts, max_tokens, outputs
 
 
@@ -59,7 +61,8 @@ COMBOS = list(itertools.product([True, False], [64, 2048], [16, 32], [False, Tru
 
 
 @pytest.mark.parametrize(
-    "prefix_caching,budget,block_size,small_kv", COMBOS,
+    "prefix_caching,budget,block_size,small_kv",
+    COMBOS,
     ids=[f"cache={c}-budget={b}-bs={s}-smallkv={k}" for c, b, s, k in COMBOS],
 )
 def test_greedy_matches_transformers(reference, prefix_caching, budget, block_size, small_kv):
@@ -68,8 +71,13 @@ def test_greedy_matches_transformers(reference, prefix_caching, budget, block_si
     # small: room for the largest request and a bit, far less than all of them at once
     num_blocks = max(need) + 4 if small_kv else sum(need) + 8
     llm = LLM(
-        model=model_dir, dtype="float32", block_size=block_size, num_blocks=num_blocks,
-        max_num_batched_tokens=budget, enable_prefix_caching=prefix_caching, max_num_seqs=16,
+        model=model_dir,
+        dtype="float32",
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=prefix_caching,
+        max_num_seqs=16,
     )
     params = [SamplingParams(temperature=0.0, max_tokens=n) for n in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)

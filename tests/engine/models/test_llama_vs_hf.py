@@ -35,7 +35,9 @@ class PagedSeqs:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
         self.model = model
-        self.kv_caches = [torch.zeros(shape, dtype=model.dtype) for _ in range(model.arch.num_layers)]
+        self.kv_caches = [
+            torch.zeros(shape, dtype=model.dtype) for _ in range(model.arch.num_layers)
+        ]
         self.next_block = 1
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
@@ -47,7 +49,9 @@ class PagedSeqs:
         while len(table) * BLOCK_SIZE < start + n:
             table.append(self.next_block)
             self.next_block += 1
-        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)]
+        return [
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, start + n)
+        ]
 
     def step(self, batch: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         """Run one step; entries with one token are decodes and must come first. Returns the
@@ -59,10 +63,14 @@ class PagedSeqs:
             start = self.lens.get(seq, 0)
             slots += self._slots(seq, len(toks))
             if len(toks) > 1:
-                prefills.append(PrefillSeq(
-                    query_start=len(ids), query_len=len(toks), context_len=self.lens[seq],
-                    block_table=torch.tensor(self.tables[seq], dtype=torch.int64),
-                ))
+                prefills.append(
+                    PrefillSeq(
+                        query_start=len(ids),
+                        query_len=len(toks),
+                        context_len=self.lens[seq],
+                        block_table=torch.tensor(self.tables[seq], dtype=torch.int64),
+                    )
+                )
             ids += toks
             positions += range(start, start + len(toks))
         meta = AttentionMetadata(
@@ -74,8 +82,10 @@ class PagedSeqs:
         )
         with torch.inference_mode():
             hidden = self.model(
-                torch.tensor(ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64),
-                self.kv_caches, meta,
+                torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64),
+                self.kv_caches,
+                meta,
             )
             logits = self.model.compute_logits(hidden)
         return list(logits.split([len(toks) for _, toks in batch]))
@@ -191,7 +201,9 @@ def test_sharded_checkpoint_loads_the_same(tiny_llama: str, tmp_path) -> None:
     )
     single, _ = load_model(tiny_llama, "float32")
     split, _ = load_model(str(sharded), "float32")
-    for (name, p1), (_, p2) in zip(single.state_dict().items(), split.state_dict().items(), strict=True):
+    for (name, p1), (_, p2) in zip(
+        single.state_dict().items(), split.state_dict().items(), strict=True
+    ):
         assert torch.equal(p1, p2), name
 
 
@@ -235,9 +247,17 @@ def test_hf_saved_llama_variant_matches(tmp_path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
 
     config = LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, attention_bias=True,
-        mlp_bias=True, tie_word_embeddings=True, max_position_embeddings=512,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
     )
     torch.manual_seed(0)
@@ -294,7 +314,10 @@ def test_error_unsupported_architecture(tiny_llama: str, tmp_path) -> None:
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
         load_model(model_dir)
     assert set(SUPPORTED_ARCHITECTURES) == {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
     }
     with pytest.raises(ValueError, match="supported"):
         get_model_class("Nope")
