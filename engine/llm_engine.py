@@ -51,15 +51,17 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         start = time.monotonic()
-        model, arch = load_model(model_config.model, model_config.dtype)
+        model, arch = load_model(model_config.model, model_config.dtype, model_config.max_model_len)
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(model_config.model)
         self.max_model_len = self._max_model_len(arch)
         self.num_blocks = self._num_blocks(arch)
-        self.eos_token_id = (
-            arch.eos_token_ids[0] if arch.eos_token_ids else self.tokenizer.eos_token_id
+        tokenizer_eos = self.tokenizer.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = arch.eos_token_ids or (
+            (tokenizer_eos,) if tokenizer_eos is not None else ()
         )
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size = arch.vocab_size
         kv = KVCacheManager(
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
@@ -147,7 +149,7 @@ class LLMEngine:
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
             priority=priority,
             cache_salt=cache_salt,
             seed=seed,
@@ -191,14 +193,13 @@ class LLMEngine:
         return updates
 
     def _sample_row(self, request: Request) -> SampleRow:
-        eos = (request.eos_token_id,) if request.eos_token_id is not None else ()
         return SampleRow(
             params=request.sampling_params,
             seed=request.seed,
             position=request.num_tokens,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
-            eos_token_ids=eos,
+            eos_token_ids=request.eos_token_ids,
         )
 
 

@@ -103,8 +103,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompts = args.prompts
     if args.chat:
         tok = llm.get_tokenizer()
+        # the rendered template already holds bos: encode it without adding special tokens
         prompts = [
-            tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+            tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                add_special_tokens=False,
+            )
             for p in prompts
         ]
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)

@@ -1,4 +1,4 @@
-"""Write a small, randomly initialised Hugging Face-format model + tokenizer (``pdserve make-model``).
+"""Write a small random Hugging Face-format model + tokenizer (``pdserve make-model``).
 
 Output directories load with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` and with
 our own loader. Everything is deterministic: the tokenizer is a byte-level BPE trained on a

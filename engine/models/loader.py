@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import SUPPORTED_DTYPES
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,7 @@ def _iter_checked_weights(
 
 def load_model(
     model_dir: str, dtype: str = "auto", max_model_len: int | None = None
-) -> tuple[torch.nn.Module, ModelArch]:
+) -> tuple[LlamaForCausalLM, ModelArch]:
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
     with model.safetensors.index.json). Raises ValueError for anything missing or mismatched."""
     start = time.perf_counter()

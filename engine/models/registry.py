@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# Every supported architecture is a Llama-family config of the one class.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -15,7 +14,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(MODEL_REGISTRY)
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     """The class implementing architecture; ValueError naming the supported ones otherwise."""
     try:
         return MODEL_REGISTRY[architecture]

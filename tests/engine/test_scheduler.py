@@ -17,7 +17,7 @@ def req(rid, n, max_tokens=4, priority=0, t=0.0, eos=None, **kw):
         rid,
         list(range(100, 100 + n)),
         SamplingParams(max_tokens=max_tokens, **kw),
-        eos_token_id=eos,
+        eos_token_ids=(eos,) if eos is not None else (),
         priority=priority,
         arrival_time=t,
     )

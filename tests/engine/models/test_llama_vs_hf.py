@@ -147,7 +147,7 @@ def test_prefill_matches_hf(arch: str, loaded: Callable) -> None:
     runner = PagedSeqs(model)
     # The 1-token prompt takes the decode path; the others are batched prefills.
     logits = runner.step(list(prompts.items()))
-    for (name, ids), ours in zip(prompts.items(), logits, strict=True):
+    for ids, ours in zip(prompts.values(), logits, strict=True):
         assert ours.dtype == torch.float32 and ours.shape == (len(ids), model.arch.vocab_size)
         assert_close(ours, hf_logits(model_dir, ids))
 
@@ -244,7 +244,8 @@ def test_rope_llama3_scaling_parsed(tiny_llama: str) -> None:
 def test_hf_saved_llama_variant_matches(tmp_path) -> None:
     """A checkpoint written by transformers 5 itself (rope_parameters, dtype keys): MQA, a
     head_dim apart from hidden/heads, q/k/v/o and MLP biases, tied embeddings, linear RoPE."""
-    from transformers import LlamaConfig, LlamaForCausalLM as HFLlama
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
 
     config = LlamaConfig(
         vocab_size=300,
