@@ -15,6 +15,7 @@ The GPU path (Triton kernels in ``kernels/``) is chosen by ``select_backend``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -52,26 +53,39 @@ class AttentionMetadata:
     """The multi-token requests, in batch order after the decodes."""
     block_size: int
 
+    # Derived once per step and shared by every layer.
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    @cached_property
+    def kv_write_index(self) -> torch.Tensor:
+        """[num_tokens] row of each new token's K in a layer's cache viewed as
+        [num_blocks * 2 * block_size, Hkv, D]; its V is block_size rows further."""
+        bs = self.block_size
+        return (self.slot_mapping // bs) * (2 * bs) + self.slot_mapping % bs
+
+    @cached_property
+    def decode_bias(self) -> torch.Tensor | None:
+        """[num_decode_tokens, 1, 1, L] float32: 0 where a decode may attend, -inf elsewhere."""
+        if self.decode_mask is None:
+            return None
+        bias = torch.zeros(self.decode_mask.shape, dtype=torch.float32)
+        return bias.masked_fill_(~self.decode_mask, float("-inf"))
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
-    block_size = kv_cache.shape[2]
-    blocks = slots // block_size
-    offsets = slots % block_size
-    kv_cache[blocks, 0, offsets] = k
-    kv_cache[blocks, 1, offsets] = v
+    rows = kv_cache.view(-1, *kv_cache.shape[-2:])  # [num_blocks * 2 * block_size, Hkv, D]
+    index = meta.kv_write_index
+    rows.index_copy_(0, index, k)
+    rows.index_copy_(0, index + meta.block_size, v)
 
 
-def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in block_table ([..., nb]) as [..., nb * block_size, Hkv, D]."""
-    kv = kv_cache[block_table]  # [..., nb, 2, bs, Hkv, D]
-    lead = kv.shape[:-5]
-    nb, _, bs, hkv, d = kv.shape[-5:]
-    k = kv.select(-4, 0).reshape(*lead, nb * bs, hkv, d)
-    v = kv.select(-4, 1).reshape(*lead, nb * bs, hkv, d)
-    return k, v
+    keys = kv_cache[:, 0][block_table]  # [..., nb, bs, Hkv, D], contiguous
+    values = kv_cache[:, 1][block_table]
+    lead = keys.shape[:-4]
+    nb, bs, hkv, d = keys.shape[-4:]
+    return keys.view(*lead, nb * bs, hkv, d), values.view(*lead, nb * bs, hkv, d)
 
 
 def paged_attention(
@@ -84,7 +98,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each request's cached context plus this step's
     k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]."""
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    write_kv(kv_cache, k, v, meta)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
     if nd:
@@ -98,16 +112,19 @@ def paged_attention(
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
+    """One query per request, batched: [B, Hq, D] over each request's padded context.
+    Plain matmuls with the query heads of a KV head grouped (GQA without repeating K/V);
+    softmax in fp32. For single-token queries this beats SDPA's CPU kernels several times."""
     keys, values = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, Hkv, D]
-    out = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [B, Hq, 1, D]
-        keys.transpose(1, 2),
-        values.transpose(1, 2),
-        attn_mask=meta.decode_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != keys.shape[2],
-    )
-    return out.squeeze(2)
+    b, hq, d = q.shape
+    hkv = keys.shape[2]
+    qg = q.view(b, hkv, hq // hkv, d)
+    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, L]
+    if meta.decode_bias is not None:
+        scores += meta.decode_bias
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
+    return out.view(b, hq, d)
 
 
 def _prefill_attention(

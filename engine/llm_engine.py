@@ -34,7 +34,8 @@ class EngineStats:
     num_steps: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    forward_time_s: float = 0.0
+    execute_time_s: float = 0.0
+    """Model runner time: input preparation, forward, logits and sampling."""
     step_time_s: float = 0.0
 
 
@@ -180,9 +181,9 @@ class LLMEngine:
             for c in output.chunks
             if c.samples
         }
-        forward_start = time.perf_counter()
+        execute_start = time.perf_counter()
         sampled = self.runner.execute(output, rows)
-        self.stats.forward_time_s += time.perf_counter() - forward_start
+        self.stats.execute_time_s += time.perf_counter() - execute_start
         updates = self.scheduler.update_from_output(output, sampled)
         self.stats.num_steps += 1
         self.stats.num_prompt_tokens += sum(

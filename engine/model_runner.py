@@ -6,6 +6,9 @@ chunks it is given and samples where a chunk asks for it, with each request's Sa
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeq
@@ -19,6 +22,16 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block across all layers."""
     elem = torch.empty((), dtype=dtype).element_size()
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor whose pages the OS zeroes on first touch (calloc -> mmap), so a multi-GiB
+    KV cache costs nothing at start-up. Zeros matter: padding slots must never hold NaN (a
+    masked NaN still poisons softmax(QK) @ V)."""
+    numel = int(np.prod(shape))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -35,19 +48,14 @@ class ModelRunner:
         self.model = model
         self.arch = arch
         self.block_size = block_size
-        # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]; zeroed so padding
-        # slots never hold NaN (a masked NaN still poisons softmax(QK) @ V).
-        self.kv_cache = torch.zeros(
-            arch.num_layers,
-            num_blocks,
-            2,
-            block_size,
-            arch.num_kv_heads,
-            arch.head_dim,
-            dtype=dtype,
+        # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        self.kv_cache = zeroed_lazily(
+            (arch.num_layers, num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim), dtype
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()
+        self.forward_time_s = 0.0
+        """Time spent in the model forward (transformer layers), summed over steps."""
 
     @torch.inference_mode()
     def execute(
@@ -56,7 +64,9 @@ class ModelRunner:
         """Compute every chunk; sample one token for each chunk that reaches its end."""
         chunks = sorted(output.chunks, key=lambda c: len(c.token_ids) > 1)  # decodes first
         input_ids, positions, meta = self._prepare_inputs(chunks)
+        start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.forward_time_s += time.perf_counter() - start
         sample_chunks = [c for c in chunks if c.samples]
         if not sample_chunks:
             return {}
