@@ -1,15 +1,18 @@
 """Attention over the paged KV cache.
 
-KV cache layout, everywhere (model runner, kernels, wire format): one tensor per layer of shape
-``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V). Block 0 is the
-null block: it pads block tables and is never allocated to a request. A *slot* is
-``block_id * block_size + offset``.
+KV cache layout, everywhere (model runner, wire format): one tensor per layer of shape
+``[num_blocks, 2, num_kv_heads, block_size, head_dim]`` (index 0 = K, 1 = V), head-major inside
+a block so that gathering a request's blocks yields ``[kv_heads, tokens, head_dim]`` directly
+(one index_select, no transposing copy: the CPU decode path is bound by these copies). Block 0
+is the null block: it pads block tables and is never allocated to a request. A *slot* is
+``block_id * block_size + offset``. The Triton kernels take the same memory through the
+stride view ``kv_cache.transpose(2, 3)`` (``[num_blocks, 2, block_size, kv_heads, head_dim]``).
 
 The batch is flattened: tokens of all requests in one ``[num_tokens, ...]`` tensor, decodes
 (one query token each) first, then the multi-token requests (prefill chunks, speculative
-verification). CPU path: decodes are batched into one padded scaled_dot_product_attention;
-each multi-token request is one SDPA of its own (a large op, so the loop costs nothing).
-The GPU path (Triton kernels in ``kernels/``) is chosen by ``select_backend``.
+verification). CPU path: decodes are batched into grouped matmuls over the padded contexts;
+each multi-token request is one scaled_dot_product_attention of its own (a large op, so the
+loop costs nothing).
 """
 
 from __future__ import annotations
@@ -55,12 +58,17 @@ class AttentionMetadata:
 
     # Derived once per step and shared by every layer.
 
-    @cached_property
-    def kv_write_index(self) -> torch.Tensor:
-        """[num_tokens] row of each new token's K in a layer's cache viewed as
-        [num_blocks * 2 * block_size, Hkv, D]; its V is block_size rows further."""
-        bs = self.block_size
-        return (self.slot_mapping // bs) * (2 * bs) + self.slot_mapping % bs
+    def kv_rows(self, num_kv_heads: int) -> torch.Tensor:
+        """Row ids of the new tokens' K (per head), computed once per step for every layer."""
+        rows = self.__dict__.get("_kv_rows")
+        if rows is None:
+            bs = self.block_size
+            blocks, offsets = self.slot_mapping // bs, self.slot_mapping % bs
+            heads = torch.arange(num_kv_heads)
+            rows = ((blocks * 2 * num_kv_heads).unsqueeze(1) + heads) * bs + offsets.unsqueeze(1)
+            rows = rows.reshape(-1)
+            self.__dict__["_kv_rows"] = rows
+        return rows
 
     @cached_property
     def decode_bias(self) -> torch.Tensor | None:
@@ -73,19 +81,24 @@ class AttentionMetadata:
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
-    rows = kv_cache.view(-1, *kv_cache.shape[-2:])  # [num_blocks * 2 * block_size, Hkv, D]
-    index = meta.kv_write_index
-    rows.index_copy_(0, index, k)
-    rows.index_copy_(0, index + meta.block_size, v)
+    _, _, hkv, bs, d = kv_cache.shape
+    rows = kv_cache.view(-1, d)
+    index = meta.kv_rows(hkv)
+    rows.index_copy_(0, index, k.reshape(-1, d))
+    rows.index_copy_(0, index + hkv * bs, v.reshape(-1, d))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks in block_table ([..., nb]) as [..., nb * block_size, Hkv, D]."""
-    keys = kv_cache[:, 0][block_table]  # [..., nb, bs, Hkv, D], contiguous
-    values = kv_cache[:, 1][block_table]
-    lead = keys.shape[:-4]
-    nb, bs, hkv, d = keys.shape[-4:]
-    return keys.view(*lead, nb * bs, hkv, d), values.view(*lead, nb * bs, hkv, d)
+    """K and V of the blocks in block_table ([..., nb]) as [..., Hkv, nb * block_size, D]."""
+    num_blocks, _, hkv, bs, d = kv_cache.shape
+    per_head = kv_cache.view(num_blocks * 2 * hkv, bs * d)  # one row = one head of one block
+    heads = torch.arange(hkv).unsqueeze(-1)  # [Hkv, 1]
+    k_rows = (block_table.unsqueeze(-2) * (2 * hkv) + heads)  # [..., Hkv, nb]
+    lead = block_table.shape[:-1]
+    nb = block_table.shape[-1]
+    keys = per_head.index_select(0, k_rows.reshape(-1)).view(*lead, hkv, nb * bs, d)
+    values = per_head.index_select(0, (k_rows + hkv).reshape(-1)).view(*lead, hkv, nb * bs, d)
+    return keys, values
 
 
 def paged_attention(
@@ -113,18 +126,18 @@ def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """One query per request, batched: [B, Hq, D] over each request's padded context.
-    Plain matmuls with the query heads of a KV head grouped (GQA without repeating K/V);
+    Batched matmuls with the query heads of a KV head grouped (GQA without repeating K/V);
     softmax in fp32. For single-token queries this beats SDPA's CPU kernels several times."""
-    keys, values = gather_kv(kv_cache, meta.decode_block_tables)  # [B, L, Hkv, D]
+    keys, values = gather_kv(kv_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
     b, hq, d = q.shape
-    hkv = keys.shape[2]
-    qg = q.view(b, hkv, hq // hkv, d)
-    scores = torch.matmul(qg, keys.permute(0, 2, 3, 1)).float() * scale  # [B, Hkv, G, L]
+    _, hkv, length, _ = keys.shape
+    group = hq // hkv
+    scores = torch.bmm(q.view(b * hkv, group, d), keys.view(b * hkv, length, d).transpose(1, 2))
+    scores = scores.float().view(b, hkv, group, length) * scale
     if meta.decode_bias is not None:
         scores += meta.decode_bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    out = torch.matmul(probs, values.transpose(1, 2))  # [B, Hkv, G, D]
-    return out.view(b, hq, d)
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b * hkv, group, length)
+    return torch.bmm(probs, values.view(b * hkv, length, d)).view(b, hq, d)
 
 
 def _prefill_attention(
@@ -147,15 +160,15 @@ def _prefill_attention(
             enable_gqa=gqa,
         )
         return out.transpose(0, 1)
-    keys, values = gather_kv(kv_cache, seq.block_table)
-    keys, values = keys[: seq.context_len], values[: seq.context_len]
+    keys, values = gather_kv(kv_cache, seq.block_table)  # [Hkv, L, D]
+    keys, values = keys[:, : seq.context_len], values[:, : seq.context_len]
     # Query i sits at position context_len - query_len + i and sees keys at positions <= it.
     q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
     mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
-        keys.transpose(0, 1),
-        values.transpose(0, 1),
+        keys,
+        values,
         attn_mask=mask,
         scale=scale,
         enable_gqa=gqa,

@@ -14,12 +14,14 @@ def triton_paged_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, Hkv, block_size, D] (engine layout)
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of q over each request's cached context plus this step's k/v, which
     are written into kv_cache first. Same contract as ``engine.attention.paged_attention``."""
+    # The kernels index [num_blocks, 2, block_size, Hkv, D] through strides: same memory.
+    kv_cache = kv_cache.transpose(2, 3)
     reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens

@@ -48,9 +48,9 @@ class ModelRunner:
         self.model = model
         self.arch = arch
         self.block_size = block_size
-        # [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]
+        # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim] (engine/attention.py)
         self.kv_cache = zeroed_lazily(
-            (arch.num_layers, num_blocks, 2, block_size, arch.num_kv_heads, arch.head_dim), dtype
+            (arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()

@@ -210,8 +210,8 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache."""
-        return (num_blocks, 2, block_size, self.arch.num_kv_heads, self.arch.head_dim)
+        """Shape of one layer's KV cache (layout: engine/attention.py)."""
+        return (num_blocks, 2, self.arch.num_kv_heads, block_size, self.arch.head_dim)
 
     def forward(
         self,

@@ -371,7 +371,9 @@ def engine_case(seed: int, bs: int, hq: int, hkv: int, d: int, garbage: float = 
         prefills=prefills,
         block_size=bs,
     )
-    return dict(q=q, k=k, v=v, cache=cache, meta=meta, scale=d**-0.5, dense=c)
+    # the engine stores KV head-major: [num_blocks, 2, Hkv, block_size, D]
+    engine_cache = cache.transpose(2, 3).contiguous()
+    return dict(q=q, k=k, v=v, cache=engine_cache, meta=meta, scale=d**-0.5, dense=c)
 
 
 def _check_engine(spec: dict) -> dict:
