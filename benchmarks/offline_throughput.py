@@ -55,67 +55,173 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="models/bench",
-                   help="HF-format model directory; if missing it is built with "
-                        "`pdserve make-model --arch llama --preset PRESET` (default: %(default)s)")
-    p.add_argument("--make-preset", default="bench", choices=["tiny", "small", "bench"],
-                   help="preset used to build --model when it does not exist (default: %(default)s)")
-    p.add_argument("--num-requests", type=int, default=256,
-                   help="number of requests in the workload (default: %(default)s)")
-    p.add_argument("--input-len", type=int, nargs=2, default=[64, 512], metavar=("MIN", "MAX"),
-                   help="prompt lengths, uniform integers in [MIN, MAX] (default: 64 512)")
-    p.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"),
-                   help="output lengths (max_tokens, ignore_eos), uniform in [MIN, MAX] "
-                        "(default: 16 256)")
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES,
-                   help="dtypes to benchmark, each system runs once per dtype (default: both)")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS,
-                   help="systems to run (default: all); ratios need pdserve")
-    p.add_argument("--hf-batch-sizes", type=int, nargs="+", default=[8, 16, 32],
-                   help="transformers static batch sizes to probe; the full workload runs at "
-                        "the one with the best probe tokens/s (default: 8 16 32)")
-    p.add_argument("--hf-probe-requests", type=int, default=None,
-                   help="requests in the transformers probe subset (the first N of the "
-                        "workload; default: the largest --hf-batch-sizes)")
-    p.add_argument("--vllm-dir", default="/work/peers/vllm",
-                   help="vLLM CPU install holding env.sh; vLLM is skipped (logged) if missing "
-                        "(default: %(default)s)")
-    p.add_argument("--vllm-enforce-eager", action="store_true",
-                   help="pass enforce_eager=True to vLLM (default: vLLM's torch.compile mode)")
-    p.add_argument("--vllm-timeout", type=float, default=3600,
-                   help="seconds before the vLLM subprocess is killed (default: %(default)s)")
-    p.add_argument("--max-num-seqs", type=int, default=128,
-                   help="max running requests, for pdserve and vLLM (default: %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per step, for pdserve and vLLM (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=2,
-                   help="torch.set_num_threads for pdserve and transformers; vLLM uses its "
-                        "env.sh binding (default: %(default)s)")
-    p.add_argument("--overhead-batches", type=int, nargs="+", default=[1, 16, 64],
-                   help="decode batch sizes for the per-step overhead measurement "
-                        "(default: 1 16 64)")
-    p.add_argument("--roofline-batches", type=int, nargs="+", default=[32, 64],
-                   help="decode batch sizes whose achieved FLOP/s is compared to the matmul "
-                        "rate (default: 32 64)")
-    p.add_argument("--overhead-steps", type=int, default=32,
-                   help="decode steps measured per batch size (default: %(default)s)")
-    p.add_argument("--overhead-warmup", type=int, default=4,
-                   help="decode steps run before measuring (default: %(default)s)")
-    p.add_argument("--overhead-prompt-len", type=int, default=16,
-                   help="prompt length of the overhead requests (default: %(default)s)")
-    p.add_argument("--matmul-shape", type=int, nargs=3, default=[1024, 4096, 4096],
-                   metavar=("M", "K", "N"),
-                   help="roofline matmul [M,K]x[K,N] (default: 1024 4096 4096)")
-    p.add_argument("--matmul-reps", type=int, default=5,
-                   help="timed matmul repetitions, best one counts (default: %(default)s)")
-    p.add_argument("--skip-overhead", action="store_true",
-                   help="skip the per-step overhead / roofline decode measurement")
-    p.add_argument("--save-outputs", action="store_true",
-                   help="keep every system's output token ids in the JSON (large)")
-    p.add_argument("--result-file", default="benchmarks/results/offline_throughput.json",
-                   help="where the JSON with everything is written (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of prompts, lengths and torch (default: %(default)s)")
+    p.add_argument(
+        "--model",
+        default="models/bench",
+        help="HF-format model directory; if missing it is built with "
+        "`pdserve make-model --arch llama --preset PRESET` (default: %(default)s)",
+    )
+    p.add_argument(
+        "--make-preset",
+        default="bench",
+        choices=["tiny", "small", "bench"],
+        help="preset used to build --model when it does not exist (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        default=256,
+        help="number of requests in the workload (default: %(default)s)",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        nargs=2,
+        default=[64, 512],
+        metavar=("MIN", "MAX"),
+        help="prompt lengths, uniform integers in [MIN, MAX] (default: 64 512)",
+    )
+    p.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=[16, 256],
+        metavar=("MIN", "MAX"),
+        help="output lengths (max_tokens, ignore_eos), uniform in [MIN, MAX] (default: 16 256)",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=list(DTYPES),
+        choices=DTYPES,
+        help="dtypes to benchmark, each system runs once per dtype (default: both)",
+    )
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=list(SYSTEMS),
+        choices=SYSTEMS,
+        help="systems to run (default: all); ratios need pdserve",
+    )
+    p.add_argument(
+        "--hf-batch-sizes",
+        type=int,
+        nargs="+",
+        default=[8, 16, 32],
+        help="transformers static batch sizes to probe; the full workload runs at "
+        "the one with the best probe tokens/s (default: 8 16 32)",
+    )
+    p.add_argument(
+        "--hf-probe-requests",
+        type=int,
+        default=None,
+        help="requests in the transformers probe subset (the first N of the "
+        "workload; default: the largest --hf-batch-sizes)",
+    )
+    p.add_argument(
+        "--vllm-dir",
+        default="/work/peers/vllm",
+        help="vLLM CPU install holding env.sh; vLLM is skipped (logged) if missing "
+        "(default: %(default)s)",
+    )
+    p.add_argument(
+        "--vllm-enforce-eager",
+        action="store_true",
+        help="pass enforce_eager=True to vLLM (default: vLLM's torch.compile mode)",
+    )
+    p.add_argument(
+        "--vllm-timeout",
+        type=float,
+        default=3600,
+        help="seconds before the vLLM subprocess is killed (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=128,
+        help="max running requests, for pdserve and vLLM (default: %(default)s)",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="token budget per step, for pdserve and vLLM (default: %(default)s)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch.set_num_threads for pdserve and transformers; vLLM uses its "
+        "env.sh binding (default: %(default)s)",
+    )
+    p.add_argument(
+        "--overhead-batches",
+        type=int,
+        nargs="+",
+        default=[1, 16, 64],
+        help="decode batch sizes for the per-step overhead measurement (default: 1 16 64)",
+    )
+    p.add_argument(
+        "--roofline-batches",
+        type=int,
+        nargs="+",
+        default=[32, 64],
+        help="decode batch sizes whose achieved FLOP/s is compared to the matmul "
+        "rate (default: 32 64)",
+    )
+    p.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=32,
+        help="decode steps measured per batch size (default: %(default)s)",
+    )
+    p.add_argument(
+        "--overhead-warmup",
+        type=int,
+        default=4,
+        help="decode steps run before measuring (default: %(default)s)",
+    )
+    p.add_argument(
+        "--overhead-prompt-len",
+        type=int,
+        default=16,
+        help="prompt length of the overhead requests (default: %(default)s)",
+    )
+    p.add_argument(
+        "--matmul-shape",
+        type=int,
+        nargs=3,
+        default=[1024, 4096, 4096],
+        metavar=("M", "K", "N"),
+        help="roofline matmul [M,K]x[K,N] (default: 1024 4096 4096)",
+    )
+    p.add_argument(
+        "--matmul-reps",
+        type=int,
+        default=5,
+        help="timed matmul repetitions, best one counts (default: %(default)s)",
+    )
+    p.add_argument(
+        "--skip-overhead",
+        action="store_true",
+        help="skip the per-step overhead / roofline decode measurement",
+    )
+    p.add_argument(
+        "--save-outputs",
+        action="store_true",
+        help="keep every system's output token ids in the JSON (large)",
+    )
+    p.add_argument(
+        "--result-file",
+        default="benchmarks/results/offline_throughput.json",
+        help="where the JSON with everything is written (default: %(default)s)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of prompts, lengths and torch (default: %(default)s)",
+    )
     args = p.parse_args(argv)
     for name in ("input_len", "output_len"):
         lo, hi = getattr(args, name)
@@ -199,8 +305,10 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
         "tokenizer_vocab_size": tok_vocab,
         "max_position_embeddings": cfg["max_position_embeddings"],
         "matmul_params_per_token": matmul_params,
-        "total_params": matmul_params + vocab * hidden * (0 if cfg.get("tie_word_embeddings") else 1)
-        + layers * 2 * hidden + hidden,
+        "total_params": matmul_params
+        + vocab * hidden * (0 if cfg.get("tie_word_embeddings") else 1)
+        + layers * 2 * hidden
+        + hidden,
         "prompt_token_range": [low, min(vocab, tok_vocab)],
         "pad_token_id": cfg.get("pad_token_id"),
     }
@@ -232,8 +340,13 @@ def matmul_gflops(dtype: torch.dtype, shape: list[int], reps: int) -> dict[str, 
         torch.mm(a, b)
         times.append(time.perf_counter() - t0)
     best = min(times)
-    return {"shape": shape, "reps": reps, "best_s": best, "gflops": 2 * m * k * n / best / 1e9,
-            "median_gflops": 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9}
+    return {
+        "shape": shape,
+        "reps": reps,
+        "best_s": best,
+        "gflops": 2 * m * k * n / best / 1e9,
+        "median_gflops": 2 * m * k * n / sorted(times)[len(times) // 2] / 1e9,
+    }
 
 
 # -- pdserve --------------------------------------------------------------------------------------
@@ -253,11 +366,14 @@ def run_pdserve(args, model_dir, dtype, workload) -> tuple[dict[str, Any], Any]:
     startup_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     warm = [[5 + i] * 8 for i in range(2)]
-    llm.generate(warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     warmup_s = time.perf_counter() - t0
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-              for n in workload["max_tokens"]]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for n in workload["max_tokens"]
+    ]
     stats0 = dict(vars(llm.engine.stats))
     t0 = time.perf_counter()
     outs = llm.generate(workload["prompts"], params, use_tqdm=True)
@@ -354,7 +470,9 @@ def measure_decode(llm, batch: int, args, token_range, facts) -> dict[str, Any]:
 
     step_s = sum(step_times)
     mean_ctx = ctx0 + (steps - 1) / 2  # tokens attended per decode token, on average
-    attn_flops_per_token = 4 * facts["num_layers"] * facts["num_heads"] * facts["head_dim"] * mean_ctx
+    attn_flops_per_token = (
+        4 * facts["num_layers"] * facts["num_heads"] * facts["head_dim"] * mean_ctx
+    )
     flops_per_token = 2 * facts["matmul_params_per_token"] + attn_flops_per_token
     tok_s = batch * steps / step_s
     return {
@@ -370,7 +488,8 @@ def measure_decode(llm, batch: int, args, token_range, facts) -> dict[str, Any]:
         "prepare_inputs_ms": 1e3 * prep.total / steps,
         "overhead_ms": 1e3 * (step_s - fwd.total) / steps,
         "overhead_frac": (step_s - fwd.total) / step_s,
-        "overhead_excl_logits_sampler_ms": 1e3 * (step_s - fwd.total - logits.total - sampler.total)
+        "overhead_excl_logits_sampler_ms": 1e3
+        * (step_s - fwd.total - logits.total - sampler.total)
         / steps,
         "overhead_excl_logits_sampler_frac": (step_s - fwd.total - logits.total - sampler.total)
         / step_s,
@@ -378,7 +497,10 @@ def measure_decode(llm, batch: int, args, token_range, facts) -> dict[str, Any]:
         "flops_per_token": flops_per_token,
         "achieved_gflops": flops_per_token * tok_s / 1e9,
         "forward_only_gflops": (flops_per_token - 2 * facts["vocab_size"] * facts["hidden_size"])
-        * batch * steps / fwd.total / 1e9,
+        * batch
+        * steps
+        / fwd.total
+        / 1e9,
     }
 
 
@@ -401,17 +523,20 @@ def _hf_generate(model, prompts, max_tokens, bs, pad_id, desc) -> tuple[list[lis
         ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for r, p in enumerate(rows):  # left padding
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
+            ids[r, width - len(p) :] = torch.tensor(p)
+            mask[r, width - len(p) :] = 1
         new = max(max_tokens[i] for i in idx)
         cfg = GenerationConfig(
-            max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
             use_cache=True,
         )
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         for r, i in enumerate(idx):
-            outputs[i] = out[r, width: width + max_tokens[i]].tolist()
+            outputs[i] = out[r, width : width + max_tokens[i]].tolist()
     return outputs, time.perf_counter() - t0
 
 
@@ -431,8 +556,9 @@ def run_transformers(args, model_dir, dtype, workload, pad_id) -> dict[str, Any]
     n_probe = min(args.hf_probe_requests, len(prompts))
     probe = {}
     for bs in args.hf_batch_sizes:
-        _, s = _hf_generate(model, prompts[:n_probe], max_tokens[:n_probe], bs, pad_id,
-                            f"hf probe bs={bs}")
+        _, s = _hf_generate(
+            model, prompts[:n_probe], max_tokens[:n_probe], bs, pad_id, f"hf probe bs={bs}"
+        )
         probe[bs] = {"generate_s": s, "tokens_per_s": sum(max_tokens[:n_probe]) / s}
         logger.info("transformers %s probe bs=%d: %.1f tok/s", dtype, bs, probe[bs]["tokens_per_s"])
     best = max(probe, key=lambda b: probe[b]["tokens_per_s"])
@@ -477,16 +603,25 @@ def run_vllm(args, model_dir, dtype, workload, facts) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="vllm_offline_"))
     (tmp / "request.json").write_text(json.dumps(req))
     log_path = tmp / "vllm.log"
-    cmd = (f'source "{env_sh}" && exec python "{WORKER}" "{tmp / "request.json"}" '
-           f'"{tmp / "result.json"}"')
-    logger.info("vLLM %s: starting subprocess (log: %s); start-up takes a minute or two",
-                dtype, log_path)
+    cmd = (
+        f'source "{env_sh}" && exec python "{WORKER}" "{tmp / "request.json"}" '
+        f'"{tmp / "result.json"}"'
+    )
+    logger.info(
+        "vLLM %s: starting subprocess (log: %s); start-up takes a minute or two", dtype, log_path
+    )
     t0 = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
     with open(log_path, "w") as log:
         try:
-            rc = subprocess.run(["bash", "-c", cmd], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, cwd=tmp, timeout=args.vllm_timeout).returncode
+            rc = subprocess.run(
+                ["bash", "-c", cmd],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=tmp,
+                timeout=args.vllm_timeout,
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall_s = time.perf_counter() - t0
@@ -495,8 +630,13 @@ def run_vllm(args, model_dir, dtype, workload, facts) -> dict[str, Any]:
         logger.error("vLLM %s failed (rc=%s); log tail:\n%s", dtype, rc, tail)
         return {"error": f"rc={rc}", "log": str(log_path), "process_wall_s": wall_s}
     res = json.loads((tmp / "result.json").read_text())
-    res.update({"process_wall_s": wall_s, "log": str(log_path),
-                "settings": {k: v for k, v in req.items() if k not in ("prompts", "max_tokens")}})
+    res.update(
+        {
+            "process_wall_s": wall_s,
+            "log": str(log_path),
+            "settings": {k: v for k, v in req.items() if k not in ("prompts", "max_tokens")},
+        }
+    )
     res["num_cached_tokens"] = sum(res["num_cached_tokens"])
     return res
 
@@ -515,8 +655,11 @@ def compare(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
         prefix.append(n / max(len(x), 1))
         if x != y and first_diff is None:
             first_diff = {"request": i, "position": n}
-    return {"exact_match_frac": exact / len(a), "mean_matching_prefix_frac": sum(prefix) / len(a),
-            "first_mismatch": first_diff}
+    return {
+        "exact_match_frac": exact / len(a),
+        "mean_matching_prefix_frac": sum(prefix) / len(a),
+        "first_mismatch": first_diff,
+    }
 
 
 def summarize(results: dict, workload: dict, args) -> None:
@@ -529,22 +672,31 @@ def summarize(results: dict, workload: dict, args) -> None:
             r["output_tokens_per_s"] = total_out / r["generate_s"]
             got = sum(len(t) for t in r["output_token_ids"])
             if got != total_out:
-                logger.warning("%s %s produced %d output tokens, %d requested", name, dtype, got,
-                               total_out)
+                logger.warning(
+                    "%s %s produced %d output tokens, %d requested", name, dtype, got, total_out
+                )
             r["produced_output_tokens"] = got
         pd = per.get("pdserve", {})
         for name, r in per.items():
-            if name == "pdserve" or "output_tokens_per_s" not in r or "output_tokens_per_s" not in pd:
+            if (
+                name == "pdserve"
+                or "output_tokens_per_s" not in r
+                or "output_tokens_per_s" not in pd
+            ):
                 continue
             r["pdserve_ratio"] = pd["output_tokens_per_s"] / r["output_tokens_per_s"]
             r["same_outputs_as_pdserve"] = compare(pd["output_token_ids"], r["output_token_ids"])
 
 
 def print_tables(results: dict) -> None:
-    lines = ["", "## Offline throughput", "",
-             "| dtype | system | startup s | generate s | output tok/s | pdserve / system "
-             "| same outputs as pdserve |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        "",
+        "## Offline throughput",
+        "",
+        "| dtype | system | startup s | generate s | output tok/s | pdserve / system "
+        "| same outputs as pdserve |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
     for dtype, per in results["throughput"].items():
         for name, r in per.items():
             if "output_tokens_per_s" not in r:
@@ -554,17 +706,26 @@ def print_tables(results: dict) -> None:
             extra = f" (bs {r['batch_size']})" if "batch_size" in r else ""
             ratio = f"{r['pdserve_ratio']:.2f}x" if "pdserve_ratio" in r else ""
             same = r.get("same_outputs_as_pdserve")
-            same_s = (f"{same['exact_match_frac']:.0%} (prefix {same['mean_matching_prefix_frac']:.0%})"
-                      if same else "")
-            lines.append(f"| {dtype} | {name}{extra} | {r['startup_s']:.1f} | "
-                         f"{r['generate_s']:.1f} | {r['output_tokens_per_s']:.1f} | {ratio} | "
-                         f"{same_s} |")
+            same_s = (
+                f"{same['exact_match_frac']:.0%} (prefix {same['mean_matching_prefix_frac']:.0%})"
+                if same
+                else ""
+            )
+            lines.append(
+                f"| {dtype} | {name}{extra} | {r['startup_s']:.1f} | "
+                f"{r['generate_s']:.1f} | {r['output_tokens_per_s']:.1f} | {ratio} | "
+                f"{same_s} |"
+            )
     if results.get("decode"):
         mm = results["matmul"]
-        lines += ["", "## pdserve decode step: overhead and roofline", "",
-                  "| dtype | B | step ms | forward ms | overhead ms | overhead | excl. logits+sampler "
-                  "| tok/s | GFLOP/s | of matmul |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "## pdserve decode step: overhead and roofline",
+            "",
+            "| dtype | B | step ms | forward ms | overhead ms | overhead | excl. logits+sampler "
+            "| tok/s | GFLOP/s | of matmul |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for dtype, rows in results["decode"].items():
             peak = mm[dtype]["gflops"]
             for r in rows:
@@ -573,16 +734,22 @@ def print_tables(results: dict) -> None:
                     f"{r['overhead_ms']:.2f} | {r['overhead_frac']:.0%} | "
                     f"{r['overhead_excl_logits_sampler_frac']:.0%} | "
                     f"{r['decode_tokens_per_s']:.0f} | {r['achieved_gflops']:.1f} | "
-                    f"{r['achieved_gflops'] / peak:.1%} |")
+                    f"{r['achieved_gflops'] / peak:.1%} |"
+                )
         lines.append("")
-        lines.append("matmul " + ", ".join(
-            f"{d}: {v['gflops']:.0f} GFLOP/s" for d, v in mm.items()) + f" ({mm[next(iter(mm))]['shape']})")
+        lines.append(
+            "matmul "
+            + ", ".join(f"{d}: {v['gflops']:.0f} GFLOP/s" for d, v in mm.items())
+            + f" ({mm[next(iter(mm))]['shape']})"
+        )
     print("\n".join(lines))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     model_dir = Path(args.model).resolve()
@@ -604,14 +771,19 @@ def main(argv: list[str] | None = None) -> None:
         "throughput": {},
         "decode": {},
     }
-    logger.info("workload: %d requests, %d prompt tokens, %d output tokens; model %s (%.1fM "
-                "matmul params)", args.num_requests, results["workload"]["prompt_tokens"],
-                results["workload"]["output_tokens"], model_dir,
-                facts["matmul_params_per_token"] / 1e6)
+    logger.info(
+        "workload: %d requests, %d prompt tokens, %d output tokens; model %s (%.1fM matmul params)",
+        args.num_requests,
+        results["workload"]["prompt_tokens"],
+        results["workload"]["output_tokens"],
+        model_dir,
+        facts["matmul_params_per_token"] / 1e6,
+    )
 
     for dtype in args.dtypes:
-        results["matmul"][dtype] = matmul_gflops(getattr(torch, dtype), args.matmul_shape,
-                                                 args.matmul_reps)
+        results["matmul"][dtype] = matmul_gflops(
+            getattr(torch, dtype), args.matmul_shape, args.matmul_reps
+        )
         logger.info("matmul %s: %.1f GFLOP/s", dtype, results["matmul"][dtype]["gflops"])
 
     for dtype in args.dtypes:
@@ -627,8 +799,14 @@ def main(argv: list[str] | None = None) -> None:
                 for b in batches:
                     rows.append(measure_decode(llm, b, args, facts["prompt_token_range"], facts))
                     r = rows[-1]
-                    logger.info("decode %s B=%d: step %.2f ms, forward %.2f ms, overhead %.0f%%",
-                                dtype, b, r["step_ms"], r["forward_ms"], 100 * r["overhead_frac"])
+                    logger.info(
+                        "decode %s B=%d: step %.2f ms, forward %.2f ms, overhead %.0f%%",
+                        dtype,
+                        b,
+                        r["step_ms"],
+                        r["forward_ms"],
+                        100 * r["overhead_frac"],
+                    )
                     if not r["pure_decode_steps"]:
                         logger.warning("decode B=%d: measured steps were not all pure decode", b)
                 for r in rows:
@@ -638,14 +816,19 @@ def main(argv: list[str] | None = None) -> None:
             gc.collect()
         if "transformers" in args.systems:
             logger.info("transformers %s", dtype)
-            per["transformers"] = run_transformers(args, model_dir, dtype, workload,
-                                                   facts["pad_token_id"] or 0)
+            per["transformers"] = run_transformers(
+                args, model_dir, dtype, workload, facts["pad_token_id"] or 0
+            )
             logger.info("transformers %s: %.1f s", dtype, per["transformers"]["generate_s"])
         if "vllm" in args.systems:
             per["vllm"] = run_vllm(args, model_dir, dtype, workload, facts)
             if "generate_s" in per["vllm"]:
-                logger.info("vllm %s: %.1f s (startup %.1f s)", dtype, per["vllm"]["generate_s"],
-                            per["vllm"]["startup_s"])
+                logger.info(
+                    "vllm %s: %.1f s (startup %.1f s)",
+                    dtype,
+                    per["vllm"]["generate_s"],
+                    per["vllm"]["startup_s"],
+                )
 
     summarize(results, workload, args)
     if not args.save_outputs:

@@ -17,6 +17,7 @@ loop costs nothing).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -79,7 +80,20 @@ class AttentionMetadata:
         return bias.masked_fill_(~self.decode_mask, float("-inf"))
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+_decode_kernel: Callable[..., torch.Tensor] | None = None
+
+
+def use_cpu_decode_kernel(kernel: Callable[..., torch.Tensor] | None) -> None:
+    """Route CPU decode attention through a compiled kernel with the signature
+    (q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B] int64, scale) -> [B, Hq, D]
+    (kernels/cpu), or back to the pure-torch path with None."""
+    global _decode_kernel
+    _decode_kernel = kernel
+
+
+def write_kv(
+    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+) -> None:
     """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
     _, _, hkv, bs, d = kv_cache.shape
     rows = kv_cache.view(-1, d)
@@ -88,12 +102,14 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Att
     rows.index_copy_(0, index + hkv * bs, v.reshape(-1, d))
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the blocks in block_table ([..., nb]) as [..., Hkv, nb * block_size, D]."""
     num_blocks, _, hkv, bs, d = kv_cache.shape
     per_head = kv_cache.view(num_blocks * 2 * hkv, bs * d)  # one row = one head of one block
     heads = torch.arange(hkv).unsqueeze(-1)  # [Hkv, 1]
-    k_rows = (block_table.unsqueeze(-2) * (2 * hkv) + heads)  # [..., Hkv, nb]
+    k_rows = block_table.unsqueeze(-2) * (2 * hkv) + heads  # [..., Hkv, nb]
     lead = block_table.shape[:-1]
     nb = block_table.shape[-1]
     keys = per_head.index_select(0, k_rows.reshape(-1)).view(*lead, hkv, nb * bs, d)
@@ -114,7 +130,11 @@ def paged_attention(
     write_kv(kv_cache, k, v, meta)
     out = torch.empty_like(q)
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and _decode_kernel is not None and not q.is_cuda:
+        out[:nd] = _decode_kernel(
+            q[:nd].contiguous(), kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        )
+    elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -148,29 +168,28 @@ def _prefill_attention(
     seq: PrefillSeq,
     scale: float,
 ) -> torch.Tensor:
+    """Causal attention of one request's query chunk. Inputs are made 4-D ([1, H, T, D]):
+    on CPU only the batched form reaches SDPA's flash kernel (3-D falls back to the ~4x slower
+    math path)."""
     gqa = q.shape[1] != k.shape[1]
+    queries = q.transpose(0, 1).unsqueeze(0)
     if seq.context_len == seq.query_len:
         # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=gqa,
-        )
-        return out.transpose(0, 1)
-    keys, values = gather_kv(kv_cache, seq.block_table)  # [Hkv, L, D]
-    keys, values = keys[:, : seq.context_len], values[:, : seq.context_len]
-    # Query i sits at position context_len - query_len + i and sees keys at positions <= it.
-    q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
-    mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
+    else:
+        keys, values = gather_kv(kv_cache, seq.block_table)  # [Hkv, L, D]
+        keys, values = keys[:, : seq.context_len], values[:, : seq.context_len]
+        # Query i sits at position context_len - query_len + i and sees keys at positions <= it.
+        q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
+        mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        keys,
-        values,
+        queries,
+        keys.unsqueeze(0),
+        values.unsqueeze(0),
         attn_mask=mask,
+        is_causal=mask is None,
         scale=scale,
         enable_gqa=gqa,
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)

@@ -11,11 +11,12 @@ import time
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq
+from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_decode_kernel
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import ModelArch
 from engine.sampler import Sampler, SampleRow, SamplingMetadata
 from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
+from kernels.cpu import cpu_ops
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -44,6 +45,7 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
+        use_cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.arch = arch
@@ -54,6 +56,8 @@ class ModelRunner:
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.sampler = Sampler()
+        ops = cpu_ops() if use_cpu_kernels else None
+        use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
         self.forward_time_s = 0.0
         """Time spent in the model forward (transformer layers), summed over steps."""
 

@@ -106,7 +106,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # the rendered template already holds bos: encode it without adding special tokens
         prompts = [
             tok.encode(
-                tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                tok.apply_chat_template(
+                    [{"role": "user", "content": p}], add_generation_prompt=True
+                ),
                 add_special_tokens=False,
             )
             for p in prompts
