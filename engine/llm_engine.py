@@ -181,14 +181,17 @@ class LLMEngine:
             for c in output.chunks
             if c.samples
         }
+        # prompt tokens computed this step (recomputation after preemption included)
+        self.stats.num_prompt_tokens += sum(
+            max(min(c.start_pos + len(c.token_ids), requests[c.request_id].num_prompt_tokens)
+                - c.start_pos, 0)
+            for c in output.chunks
+        )
         execute_start = time.perf_counter()
         sampled = self.runner.execute(output, rows)
         self.stats.execute_time_s += time.perf_counter() - execute_start
         updates = self.scheduler.update_from_output(output, sampled)
         self.stats.num_steps += 1
-        self.stats.num_prompt_tokens += sum(
-            len(c.token_ids) for c in output.chunks if len(c.token_ids) > 1
-        )
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
         self.stats.step_time_s += time.perf_counter() - start
         return updates

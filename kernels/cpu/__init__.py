@@ -14,7 +14,10 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [os.path.join(os.path.dirname(__file__), "paged_attention.cpp")]
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_SOURCES = [os.path.join(_HERE, "paged_attention.cpp")]
+# Built next to the checkout (gitignored /build/), so two checkouts never rebuild each other's.
+_BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", "cpu_kernels")
 
 
 @functools.cache
@@ -27,14 +30,18 @@ def cpu_ops() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         start = time.monotonic()
+        os.makedirs(_BUILD_DIR, exist_ok=True)
         module = load(
+            build_directory=_BUILD_DIR,
             name="pdserve_cpu_attention",
             sources=_SOURCES,
             extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
-        logger.debug("CPU kernels ready in %.1fs", time.monotonic() - start)
+        elapsed = time.monotonic() - start
+        if elapsed > 2:  # a compile, not a cache hit
+            logger.info("compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, _BUILD_DIR)
         return module
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU attention kernels unavailable (%s); using the torch path", exc)
