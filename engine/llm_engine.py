@@ -183,8 +183,11 @@ class LLMEngine:
         }
         # prompt tokens computed this step (recomputation after preemption included)
         self.stats.num_prompt_tokens += sum(
-            max(min(c.start_pos + len(c.token_ids), requests[c.request_id].num_prompt_tokens)
-                - c.start_pos, 0)
+            max(
+                min(c.start_pos + len(c.token_ids), requests[c.request_id].num_prompt_tokens)
+                - c.start_pos,
+                0,
+            )
             for c in output.chunks
         )
         execute_start = time.perf_counter()

@@ -41,7 +41,9 @@ def cpu_ops() -> ModuleType | None:
         )
         elapsed = time.monotonic() - start
         if elapsed > 2:  # a compile, not a cache hit
-            logger.info("compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, _BUILD_DIR)
+            logger.info(
+                "compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, _BUILD_DIR
+            )
         return module
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU attention kernels unavailable (%s); using the torch path", exc)

@@ -25,46 +25,62 @@ inline float to_float(c10::BFloat16 x) {
 }
 
 // Dot product of a float query row with one K row of the cache.
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t d) {
+// Dot product of a float query row with a float K row (kD known at compile time when > 0:
+// the loops then unroll into a few full-width vector instructions).
+template <int kD>
+inline float dot(const float* q, const float* k, int64_t d) {
+  const int64_t n = kD > 0 ? kD : d;
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(k[i]);
+  for (int64_t i = 0; i < n; ++i) acc += q[i] * k[i];
   return acc;
 }
 
-// acc += w * v over one V row.
-template <typename T>
-inline void axpy(float* acc, float w, const T* v, int64_t d) {
+// acc += w * v over one float V row.
+template <int kD>
+inline void axpy(float* acc, float w, const float* v, int64_t d) {
+  const int64_t n = kD > 0 ? kD : d;
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) acc[i] += w * to_float(v[i]);
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * v[i];
 }
 
+// Converts n contiguous cache values to float (one vectorised pass over a whole block).
 template <typename T>
+inline void to_float_rows(float* dst, const T* src, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T, int kD>
 void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_len, T* out,
                 int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t block_size,
-                int64_t head_dim, float scale) {
+                int64_t head_dim_runtime, float scale, std::vector<float>& work) {
   // q/out point at the first query head of this kv head's group.
-  std::vector<float> qf(group * head_dim), acc(group * head_dim, 0.f), scores(group * seq_len);
-  for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+  const int64_t head_dim = kD > 0 ? kD : head_dim_runtime;
+  const int64_t qd = group * head_dim;
+  work.resize(2 * qd + group * seq_len + block_size * head_dim);
+  float* qf = work.data();
+  float* acc = qf + qd;
+  float* scores = acc + qd;  // [group, seq_len]
+  float* rows = scores + group * seq_len;  // one block of K or V rows, as float
+  for (int64_t i = 0; i < qd; ++i) {
+    qf[i] = to_float(q[i]) * scale;
+    acc[i] = 0.f;
+  }
   const int64_t kv_stride = num_kv_heads * block_size * head_dim;  // K -> V of one block
   const int64_t block_stride = 2 * kv_stride;
   const int64_t head_offset = kv_head * block_size * head_dim;
-  // scores[g, p] = q_g . k_p, block by block (no division per position); each K row is
-  // converted to float once, then used by every query head of the group.
-  std::vector<float> row(head_dim);
+  // scores[g, p] = q_g . k_p, block by block: a block's K rows of this head are contiguous.
   for (int64_t start = 0; start < seq_len; start += block_size) {
-    const T* k = cache + table[start / block_size] * block_stride + head_offset;
     const int64_t n = std::min(block_size, seq_len - start);
-    for (int64_t j = 0; j < n; ++j, k += head_dim) {
-      for (int64_t i = 0; i < head_dim; ++i) row[i] = to_float(k[i]);
+    to_float_rows(rows, cache + table[start / block_size] * block_stride + head_offset, n * head_dim);
+    for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < group; ++g)
-        scores[g * seq_len + start + j] = dot(&qf[g * head_dim], row.data(), head_dim);
-    }
+        scores[g * seq_len + start + j] = dot<kD>(qf + g * head_dim, rows + j * head_dim, head_dim);
   }
   // softmax over p, per query head
   for (int64_t g = 0; g < group; ++g) {
-    float* s = &scores[g * seq_len];
+    float* s = scores + g * seq_len;
     float m = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < seq_len; ++p) m = std::max(m, s[p]);
     float sum = 0.f;
@@ -78,18 +94,17 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
   }
   // acc[g] = sum_p scores[g, p] * v_p
   for (int64_t start = 0; start < seq_len; start += block_size) {
-    const T* v = cache + table[start / block_size] * block_stride + kv_stride + head_offset;
     const int64_t n = std::min(block_size, seq_len - start);
-    for (int64_t j = 0; j < n; ++j, v += head_dim) {
-      for (int64_t i = 0; i < head_dim; ++i) row[i] = to_float(v[i]);
+    to_float_rows(rows, cache + table[start / block_size] * block_stride + kv_stride + head_offset,
+                  n * head_dim);
+    for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < group; ++g)
-        axpy(&acc[g * head_dim], scores[g * seq_len + start + j], row.data(), head_dim);
-    }
+        axpy<kD>(acc + g * head_dim, scores[g * seq_len + start + j], rows + j * head_dim, head_dim);
   }
-  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < qd; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
-template <typename T>
+template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
             const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
   const int64_t num_reqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
@@ -102,14 +117,27 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   T* out_ptr = out.data_ptr<T>();
   const int64_t table_stride = tables.size(1);
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (r * num_q_heads + h * group) * head_dim;
-      decode_one<T>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
-                    out_ptr + offset, h, num_kv_heads, group, block_size, head_dim,
-                    static_cast<float>(scale));
+      decode_one<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
+                        out_ptr + offset, h, num_kv_heads, group, block_size, head_dim,
+                        static_cast<float>(scale), work);
     }
   });
+}
+
+template <typename T>
+void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
+                     const torch::Tensor& tables, const torch::Tensor& seq_lens,
+                     torch::Tensor& out, double scale) {
+  switch (q.size(2)) {  // common head sizes get fully unrolled inner loops
+    case 64: return decode<T, 64>(q, cache, tables, seq_lens, out, scale);
+    case 128: return decode<T, 128>(q, cache, tables, seq_lens, out, scale);
+    case 32: return decode<T, 32>(q, cache, tables, seq_lens, out, scale);
+    default: return decode<T, 0>(q, cache, tables, seq_lens, out, scale);
+  }
 }
 
 }  // namespace
@@ -126,9 +154,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   TORCH_CHECK(q.size(1) % cache.size(2) == 0, "q heads must be a multiple of kv heads");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
-    decode<float>(q, cache, tables, seq_lens, out, scale);
+    decode_dispatch<float>(q, cache, tables, seq_lens, out, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode<c10::BFloat16>(q, cache, tables, seq_lens, out, scale);
+    decode_dispatch<c10::BFloat16>(q, cache, tables, seq_lens, out, scale);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }

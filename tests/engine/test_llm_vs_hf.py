@@ -109,4 +109,6 @@ def test_greedy_matches_transformers(reference, prefix_caching, budget, block_si
 
 
 def _first_diff(a, b):
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return next(
+        (i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b))
+    )
