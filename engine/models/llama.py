@@ -42,6 +42,39 @@ def _param(*shape: int, dtype: torch.dtype, fill: float | None = None) -> nn.Par
     return nn.Parameter(data, requires_grad=False)
 
 
+def _onednn_linear_available() -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    return torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+
+
+_ONEDNN = _onednn_linear_available()
+# Below this many rows a float32 product is memory-bound and torch's own GEMV is the faster path.
+_ONEDNN_MIN_ROWS_FP32 = 8
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    """The weight reordered into oneDNN's blocked layout (None where oneDNN is unavailable).
+    On this class of CPU (AVX-512, no MKL fast path) oneDNN's packed GEMM runs 2-4x faster
+    than F.linear for multi-row inputs."""
+    if not _ONEDNN or weight.is_cuda:
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+    except RuntimeError:
+        return None
+
+
+def packed_linear(
+    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x W^T (+ b) through the packed weight when it pays off, else F.linear."""
+    if packed is not None and (
+        x.dtype == torch.bfloat16 or x.shape[0] >= _ONEDNN_MIN_ROWS_FP32
+    ):
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b). shard_sizes: output rows of each checkpoint tensor fused into W."""
 
@@ -52,9 +85,14 @@ class Linear(nn.Module):
         self.shard_sizes = shard_sizes
         self.weight = _param(sum(shard_sizes), in_features, dtype=dtype)
         self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
+        self.packed: torch.Tensor | None = None
+        """oneDNN-packed copy of weight, made by pack() once the weights are loaded."""
+
+    def pack(self) -> None:
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return packed_linear(x, self.weight, self.packed, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -230,8 +268,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        weight = self.model.embed_tokens.weight
+        return packed_linear(hidden, weight, self._packed_tied_head, None).float()
+
+    _packed_tied_head: torch.Tensor | None = None
+
+    def pack_weights(self) -> None:
+        """Reorder every projection's weight for oneDNN (after loading; CPU only)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self._packed_tied_head = pack_weight(self.model.embed_tokens.weight)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must provide (HF names) and its shape."""

@@ -251,6 +251,7 @@ def load_model(
     for name, tensor in _iter_checked_weights(files, model.checkpoint_shapes(), model_dir):
         model.load_weight(name, tensor)
     model.eval()
+    model.pack_weights()
     logger.info(
         "loaded %s (%s, %.1fM params, %s) in %.2fs",
         model_dir,
