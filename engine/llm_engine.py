@@ -17,6 +17,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.models.loader import ModelArch, load_model
+from engine.platform import tune_allocator
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import SampleRow
 from engine.scheduler import RequestUpdate, Scheduler
@@ -52,6 +53,7 @@ class LLMEngine:
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         start = time.monotonic()
+        tune_allocator()
         model, arch = load_model(model_config.model, model_config.dtype, model_config.max_model_len)
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype

@@ -68,9 +68,7 @@ def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x W^T (+ b) through the packed weight when it pays off, else F.linear."""
-    if packed is not None and (
-        x.dtype == torch.bfloat16 or x.shape[0] >= _ONEDNN_MIN_ROWS_FP32
-    ):
+    if packed is not None and (x.dtype == torch.bfloat16 or x.shape[0] >= _ONEDNN_MIN_ROWS_FP32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
