@@ -11,8 +11,6 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_block_bytes
@@ -210,7 +208,3 @@ class LLMEngine:
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
         )
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -83,14 +83,6 @@ class ModelRunner:
             for c, tok, lp in zip(sample_chunks, sampled.token_ids, sampled.logprobs, strict=True)
         }
 
-    def prompt_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits of every token of the given chunks ([num_tokens, vocab]); for tests and
-        prompt-logprob style scoring. Writes the chunks' KV like execute()."""
-        with torch.inference_mode():
-            input_ids, positions, meta = self._prepare_inputs(chunks)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-            return self.model.compute_logits(hidden)
-
     def _last_token_indices(self, chunks: list[ScheduledChunk]) -> list[int]:
         indices, offset = [], 0
         for chunk in chunks:
