@@ -29,6 +29,13 @@ def head_dim_pad(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def cache_strides(kv_cache: torch.Tensor) -> dict[str, int]:
+    """The cache's strides as the kernels' keyword arguments ([num_blocks, 2, block_size, Hkv, D]
+    order: block, K/V, slot, head, head_dim)."""
+    names = ("stride_cb", "stride_ckv", "stride_cs", "stride_ch", "stride_cd")
+    return dict(zip(names, kv_cache.stride(), strict=True))
+
+
 def check_cache(kv_cache: torch.Tensor) -> tuple[int, int, int]:
     """(block_size, num_kv_heads, head_dim) of a ``[num_blocks, 2, bs, Hkv, D]`` cache."""
     assert kv_cache.dim() == 5 and kv_cache.shape[1] == 2, "kv_cache must be [N, 2, bs, Hkv, D]"

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._paged_common import cache_strides
+
 
 @triton.jit
 def _store_tile(
@@ -101,11 +103,7 @@ def reshape_and_cache(
         stride_vt=v.stride(0),
         stride_vh=v.stride(1),
         stride_vd=v.stride(2),
-        stride_cb=kv_cache.stride(0),
-        stride_ckv=kv_cache.stride(1),
-        stride_cs=kv_cache.stride(2),
-        stride_ch=kv_cache.stride(3),
-        stride_cd=kv_cache.stride(4),
+        **cache_strides(kv_cache),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HKV_PAD=triton.next_power_of_2(num_kv_heads),

@@ -8,6 +8,7 @@ import triton.language as tl
 
 from kernels._paged_common import (
     LOG2E,
+    cache_strides,
     check_cache,
     head_dim_pad,
     paged_attn_block_loop,
@@ -129,11 +130,7 @@ def paged_decode_attention(
         stride_ob=out.stride(0),
         stride_oh=out.stride(1),
         stride_od=out.stride(2),
-        stride_cb=kv_cache.stride(0),
-        stride_ckv=kv_cache.stride(1),
-        stride_cs=kv_cache.stride(2),
-        stride_ch=kv_cache.stride(3),
-        stride_cd=kv_cache.stride(4),
+        **cache_strides(kv_cache),
         stride_btb=block_tables.stride(0),
         QUERY_GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
