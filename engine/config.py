@@ -72,6 +72,9 @@ class SchedulerConfig:
     """Admission and preemption order: arrival, or (priority, arrival) with lower = sooner."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget over several steps."""
+    remote_prefill_min_tokens: int = 1
+    """Decode role: requests offered a remote prefill take it only when at least this many
+    prompt tokens are not in the local prefix cache; shorter ones prefill locally."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -79,6 +82,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.remote_prefill_min_tokens < 1:
+            raise ValueError(
+                f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")

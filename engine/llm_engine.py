@@ -10,6 +10,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.kv_cache.manager import KVCacheManager
@@ -18,7 +19,13 @@ from engine.models.loader import ModelArch, load_model
 from engine.platform import tune_allocator
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.sampler import SampleRow
-from engine.scheduler import RequestUpdate, Scheduler
+from engine.scheduler import (
+    RemotePrefill,
+    RequestUpdate,
+    SampledTokens,
+    Scheduler,
+    SchedulerOutput,
+)
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,19 @@ class EngineStats:
     step_time_s: float = 0.0
 
 
+class EngineKVConnector(Protocol):
+    """The engine's side of the KV connector (kvtransfer/connector.py implements it): hooks
+    the engine calls from its own thread. The scheduler itself does no I/O."""
+
+    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
+        """Decode role: blocks were reserved for these requests; have prefill nodes fill them.
+        Must not block: the outcome comes back through finish/fail_remote_prefill()."""
+
+    def after_execute(self, output: SchedulerOutput) -> None:
+        """Prefill role: the step's KV is written; snapshot and push the blocks that became
+        final. Runs before update_from_output(), so finished requests still hold blocks."""
+
+
 class LLMEngine:
     """Owns the tokenizer, scheduler (with its KV cache manager) and model runner."""
 
@@ -46,6 +66,7 @@ class LLMEngine:
         model_config: ModelConfig,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
+        kv_connector: EngineKVConnector | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
@@ -72,6 +93,7 @@ class LLMEngine:
             model, arch, self.dtype, self.num_blocks, self.cache_config.block_size
         )
         self.stats = EngineStats()
+        self.kv_connector = kv_connector
         self._seed_rng = random.Random(model_config.seed)
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
@@ -141,11 +163,16 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         cache_salt: str | None = None,
+        seed: int | None = None,
+        wants_remote_prefill: bool = False,
     ) -> Request:
-        """Validate and queue a request; raises ValueError (queueing nothing) if it is bad."""
+        """Validate and queue a request; raises ValueError (queueing nothing) if it is bad.
+        seed overrides the effective sampling seed (a prefill node uses the decode node's, so
+        the first token is the one a local prefill would sample)."""
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids, params)
-        seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -154,6 +181,7 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
             seed=seed,
+            wants_remote_prefill=wants_remote_prefill,
         )
         self.scheduler.add_request(request)
         return request
@@ -167,12 +195,33 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def has_work(self) -> bool:
+        """Whether step() could compute anything now (requests awaiting remote KV cannot)."""
+        return self.scheduler.has_work()
+
+    def finish_remote_prefill(
+        self, request_id: str, first_token: SampledTokens, num_cached_tokens: int
+    ) -> RequestUpdate | None:
+        """A prefill node filled the request's blocks and sampled its first token."""
+        update = self.scheduler.finish_remote_prefill(request_id, first_token, num_cached_tokens)
+        if update is not None:
+            self.stats.num_generation_tokens += len(update.new_token_ids)
+        return update
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """No prefill node delivered: the request prefills locally."""
+        self.scheduler.fail_remote_prefill(request_id)
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestUpdate]:
         """Run one scheduler step; returns the requests that got new tokens."""
         start = time.perf_counter()
         output = self.scheduler.schedule()
+        if output.remote_prefills:
+            if self.kv_connector is None:
+                raise RuntimeError("remote prefill requested but the engine has no KV connector")
+            self.kv_connector.start_remote_prefills(output.remote_prefills)
         if output.is_empty:
             return []
         requests = self.scheduler.requests
@@ -193,6 +242,8 @@ class LLMEngine:
         execute_start = time.perf_counter()
         sampled = self.runner.execute(output, rows)
         self.stats.execute_time_s += time.perf_counter() - execute_start
+        if self.kv_connector is not None:
+            self.kv_connector.after_execute(output)
         updates = self.scheduler.update_from_output(output, sampled)
         self.stats.num_steps += 1
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)

@@ -159,6 +159,9 @@ class Request:
     """Speculative tokens proposed for the next step (not yet part of num_tokens)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Chained hashes of this request's full blocks, computed incrementally."""
+    wants_remote_prefill: bool = False
+    """Decode role: at first admission, reserve the prompt's blocks and have a prefill node
+    fill them (cleared once offered: a preempted request recomputes locally)."""
 
     @property
     def all_token_ids(self) -> list[int]:

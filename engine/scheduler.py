@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
-from engine.kv_cache.manager import NO_MATCH, KVCacheManager
+from engine.kv_cache.manager import NO_MATCH, KVCacheManager, PrefixMatch
 from engine.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -37,6 +37,18 @@ class ScheduledChunk:
 
 
 @dataclass
+class RemotePrefill:
+    """A request admitted with its prompt's blocks reserved, to be filled by a prefill node."""
+
+    request_id: str
+    block_ids: list[int]
+    """Every block reserved for the prompt, in position order."""
+    num_local_cached_tokens: int
+    """Leading prompt tokens already in this node's prefix cache (a multiple of the block
+    size): their blocks need no transfer."""
+
+
+@dataclass
 class SchedulerOutput:
     """What to compute in one step, in batch order."""
 
@@ -45,6 +57,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
     """Requests freed since the previous step (aborted), so workers can drop their state."""
+    remote_prefills: list[RemotePrefill] = field(default_factory=list)
+    """Requests admitted this step whose prompt KV must come from a prefill node."""
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +95,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}
+        """Admitted requests whose reserved blocks a prefill node is filling."""
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
 
@@ -107,7 +123,15 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_awaiting_kv(self) -> int:
+        return len(self.awaiting_kv)
+
     def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.awaiting_kv)
+
+    def has_work(self) -> bool:
+        """Whether schedule() could compute anything (requests awaiting KV cannot)."""
         return bool(self.waiting or self.running)
 
     # -- one step -------------------------------------------------------------------------------
@@ -117,10 +141,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
+        remote: list[RemotePrefill] = []
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
-            self._schedule_waiting(budget, scheduled)
-        return self._build_output(scheduled, preempted)
+            self._schedule_waiting(budget, scheduled, remote)
+        return self._build_output(scheduled, preempted, remote)
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[str]
@@ -149,8 +174,10 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _schedule_waiting(self, budget: int, scheduled: dict[str, int]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(
+        self, budget: int, scheduled: dict[str, int], remote: list[RemotePrefill]
+    ) -> None:
+        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = (
                 self.kv.get_computed_blocks(request)
@@ -158,6 +185,10 @@ class Scheduler:
                 else NO_MATCH
             )
             num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
+            if self._goes_remote(request, num_new):
+                if not self._reserve_for_remote(request, num_new, prefix, remote):
+                    break
+                continue
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
@@ -171,6 +202,58 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+
+    @property
+    def _num_admitted(self) -> int:
+        return len(self.running) + len(self.awaiting_kv)
+
+    def _goes_remote(self, request: Request, num_uncached: int) -> bool:
+        """Conditional disaggregation: only prompts with enough uncached tokens go remote."""
+        if not request.wants_remote_prefill:
+            return False
+        request.wants_remote_prefill = False  # offered once; recompute after preemption is local
+        return num_uncached >= self.config.remote_prefill_min_tokens
+
+    def _reserve_for_remote(
+        self, request: Request, num_uncached: int, prefix: PrefixMatch, remote: list[RemotePrefill]
+    ) -> bool:
+        """Reserve blocks for the whole prompt without computing it (no budget used). The
+        blocks stay out of the prefix cache until their KV has arrived."""
+        if self.kv.allocate_slots(request, num_uncached, prefix, cache=False) is None:
+            request.wants_remote_prefill = True  # still to be offered when blocks free up
+            return False
+        self.waiting.pop(0)
+        request.num_cached_tokens = prefix.num_tokens
+        request.num_computed_tokens = prefix.num_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.awaiting_kv[request.request_id] = request
+        block_ids = self.kv.get_block_ids(request.request_id)
+        remote.append(RemotePrefill(request.request_id, block_ids, prefix.num_tokens))
+        return True
+
+    def finish_remote_prefill(
+        self, request_id: str, first_token: SampledTokens, num_cached_tokens: int
+    ) -> RequestUpdate | None:
+        """The prompt's KV has arrived and the prefill node sampled the first token: the
+        request joins the running batch. None if it was aborted meanwhile."""
+        request = self.awaiting_kv.pop(request_id, None)
+        if request is None:
+            return None
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_cached_tokens = max(request.num_cached_tokens, num_cached_tokens)
+        self.kv.cache_blocks(request, request.num_prompt_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return self._append_tokens(request, first_token)
+
+    def fail_remote_prefill(self, request_id: str) -> None:
+        """No prefill node delivered: keep the reserved blocks and prefill locally from the
+        locally cached prefix on."""
+        request = self.awaiting_kv.pop(request_id, None)
+        if request is None:
+            return
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
@@ -212,7 +295,9 @@ class Scheduler:
         else:
             self.waiting.append(request)
 
-    def _build_output(self, scheduled: dict[str, int], preempted: list[str]) -> SchedulerOutput:
+    def _build_output(
+        self, scheduled: dict[str, int], preempted: list[str], remote: list[RemotePrefill]
+    ) -> SchedulerOutput:
         chunks = []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
@@ -232,7 +317,7 @@ class Scheduler:
                 )
             )
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(chunks, sum(scheduled.values()), preempted, finished)
+        return SchedulerOutput(chunks, sum(scheduled.values()), preempted, finished, remote)
 
     # -- folding results back --------------------------------------------------------------------
 
@@ -301,6 +386,8 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self.awaiting_kv[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request)

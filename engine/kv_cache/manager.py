@@ -74,10 +74,12 @@ class KVCacheManager:
         num_new_tokens: int,
         prefix: PrefixMatch = NO_MATCH,
         num_lookahead_tokens: int = 0,
+        cache: bool = True,
     ) -> list[KVCacheBlock] | None:
         """Make room for num_new_tokens (+ num_lookahead_tokens speculative ones) after the
         request's computed tokens and the cached prefix. Returns the newly allocated blocks, or
-        None (changing nothing) if the pool cannot supply them."""
+        None (changing nothing) if the pool cannot supply them. cache=False keeps the new
+        blocks out of the prefix cache until cache_blocks() (their KV arrives from elsewhere)."""
         held = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + prefix.num_tokens
         total = num_computed + num_new_tokens + num_lookahead_tokens
@@ -91,9 +93,14 @@ class KVCacheManager:
         held = self.req_blocks.setdefault(request.request_id, held)
         held.extend(prefix.blocks)
         held.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, num_computed + num_new_tokens)
+        if cache:
+            self.cache_blocks(request, num_computed + num_new_tokens)
         return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Offer the request's blocks that are full once num_tokens are computed to the cache."""
+        if self.enable_caching:
+            self._cache_full_blocks(request, num_tokens)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, last block first (evicted first)."""
