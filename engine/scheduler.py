@@ -83,6 +83,8 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprobs | None]
     finished: bool
     status: RequestStatus
+    num_cached_tokens: int = 0
+    """Prompt tokens served from a prefix cache at admission."""
 
 
 class Scheduler:
@@ -359,7 +361,12 @@ class Scheduler:
                 self._finish(request, status)
                 break
         return RequestUpdate(
-            request.request_id, new_ids, new_logprobs, request.finished, request.status
+            request.request_id,
+            new_ids,
+            new_logprobs,
+            request.finished,
+            request.status,
+            request.num_cached_tokens,
         )
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

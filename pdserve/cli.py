@@ -178,7 +178,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="write one JSON record per prompt")
     gen.set_defaults(func=cmd_generate)
+    _add_service_commands(sub)
     return parser
+
+
+def _add_service_commands(sub: argparse._SubParsersAction) -> None:
+    """The long-running roles; each module owns its flags (add_arguments) and its life (run)."""
+    import decode_node.main
+    import prefill_node.main
+    from pdserve import serve
+
+    roles = [
+        ("prefill", prefill_node.main, "run a prefill node (computes prompts, pushes KV)"),
+        ("decode", decode_node.main, "run a decode node (admits requests, streams tokens)"),
+        ("serve", serve, "run the whole stack on this machine: gateway + prefill + decode"),
+    ]
+    for name, module, text in roles:
+        p = sub.add_parser(name, help=text, description=module.__doc__)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,1 @@
+"""The decode role: gRPC servicer and process main."""

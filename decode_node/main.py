@@ -1,0 +1,110 @@
+"""`pdserve decode`: a decode node's life — parse config, build the engine, start the KV
+receiver and the gRPC server, serve until SIGTERM, drain, clean up."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from decode_node.remote_prefill import RemotePrefiller
+from decode_node.servicer import DecodeServicer
+from engine.engine_loop import EngineLoop
+from kvtransfer.connector import KVPullConnector, kv_layout
+from kvtransfer.transport import make_receiver
+from pdserve.node import (
+    NodeServer,
+    add_node_args,
+    build_engine,
+    drain,
+    node_id,
+    served_model_name,
+    stop_event_on_signals,
+)
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.cli import add_engine_args
+
+    add_engine_args(p)
+    add_node_args(p, default_port=50061)
+    p.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=32,
+        help="prompts with fewer uncached tokens than this prefill locally (conditional "
+        "disaggregation); longer ones go to a prefill node when the gateway offers one",
+    )
+    p.add_argument(
+        "--kv-host", default="127.0.0.1", help="address the KV receiver binds (tcp transport)"
+    )
+    p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free)")
+    p.add_argument(
+        "--prefill-timeout-s",
+        type=float,
+        default=60.0,
+        help="deadline of one Prefill call on a prefill node",
+    )
+    p.add_argument(
+        "--kv-transfer-timeout-s",
+        type=float,
+        default=10.0,
+        help="how long to wait for the KV blocks after the prefill node answered",
+    )
+    p.add_argument(
+        "--token-timeout-s",
+        type=float,
+        default=300.0,
+        help="longest gap between two tokens of a request before it fails",
+    )
+
+
+async def serve(args: argparse.Namespace) -> None:
+    loop = asyncio.get_running_loop()
+    stop = stop_event_on_signals(loop)
+    model = served_model_name(args)
+    engine = build_engine(args, remote_prefill_min_tokens=args.remote_prefill_min_tokens)
+    engine_loop = EngineLoop(engine, loop)
+    receiver = make_receiver(args.kv_transport, host=args.kv_host, port=args.kv_port)
+    await receiver.start()
+    layout = kv_layout(model, engine.runner.kv_cache, engine.cache_config.block_size)
+    prefiller = RemotePrefiller(
+        engine_loop, receiver, layout, args.prefill_timeout_s, args.kv_transfer_timeout_s
+    )
+    servicer = DecodeServicer(
+        engine_loop, prefiller, node_id(args, "decode"), model, args.token_timeout_s
+    )
+    engine.kv_connector = KVPullConnector(loop, servicer.on_remote_prefill)
+    service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
+    server = NodeServer(args.host, args.port, [service])
+    node_pb2_grpc.add_DecodeNodeServicer_to_server(servicer, server.server)
+    engine_loop.start()
+    try:
+        await server.start()
+        logger.info(
+            "decode node %s serving %s on %s (KV receiver %s)",
+            servicer.node_id,
+            model,
+            server.address,
+            receiver.address,
+        )
+        await stop.wait()
+        logger.info("draining")
+        servicer.accepting = False
+        await server.set_serving(False)
+        await drain(engine_loop, args.drain_timeout_s, servicer.abort_all, "decode")
+    finally:
+        servicer.abort_all()
+        await server.stop(grace_s=2.0)
+        engine_loop.stop()
+        await prefiller.close()
+        await receiver.close()
+        logger.info("decode node stopped")
+
+
+def run(args: argparse.Namespace) -> int:
+    asyncio.run(serve(args))
+    return 0

@@ -1,0 +1,186 @@
+"""Getting a reserved request's prompt KV from a prefill node.
+
+For each candidate in order: register the expected transfer with the KV receiver, call the
+candidate's Prefill RPC (it pushes the blocks, then answers with the first token), wait until
+every block has arrived, then hand the first token to the engine. A failed candidate (RPC
+error, deadline, transfer failure, layout mismatch) is skipped; when none delivers, the
+request prefills locally. All of this runs on the node's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from engine.engine_loop import EngineLoop
+from engine.scheduler import RemotePrefill, SampledTokens
+from kvtransfer.connector import cdiv, scatter_blocks
+from kvtransfer.transport import KVReceiver, KVTransferError
+from kvtransfer.wire import LayoutSignature, TransferHeader
+from pdserve.node import GRPC_OPTIONS
+from pdserve.protocol import logprob_from_proto, sampling_params_to_proto
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Tracked:
+    """A decode request as the node sees it while it is in flight."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: object  # engine.request.SamplingParams
+    seed: int
+    cache_salt: str
+    candidates: list[str]
+    prefilled_by: str = "local"
+    kv_bytes: int = 0
+    transfer_id: str | None = None
+    """The transfer currently expected, if any (cancelled before the blocks are freed)."""
+    task: asyncio.Task | None = None
+
+
+class RemotePrefiller:
+    """Runs remote prefills for the decode node."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        receiver: KVReceiver,
+        layout: LayoutSignature,
+        prefill_timeout_s: float,
+        transfer_timeout_s: float,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self.receiver = receiver
+        self.layout = layout
+        self.prefill_timeout_s = prefill_timeout_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _stub(self, address: str) -> node_pb2_grpc.PrefillNodeStub:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            self._channels[address] = channel
+        return node_pb2_grpc.PrefillNodeStub(channel)
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
+
+    def cancel_transfer(self, tracked: Tracked) -> None:
+        """Stop scattering for this request now (before its blocks can be freed)."""
+        if tracked.transfer_id is not None:
+            self.receiver.cancel(tracked.transfer_id)
+            tracked.transfer_id = None
+
+    async def run(self, rp: RemotePrefill, tracked: Tracked) -> None:
+        """Fill rp's blocks from the first candidate that delivers, else prefill locally."""
+        engine = self.engine_loop.engine
+        for address in tracked.candidates:
+            try:
+                response, num_bytes = await self._try(address, rp, tracked)
+            except asyncio.CancelledError:
+                self._abort_remote(address, tracked)
+                raise
+            except (grpc.aio.AioRpcError, KVTransferError, TimeoutError, ValueError) as e:
+                self.cancel_transfer(tracked)
+                logger.warning("%s: prefill on %s failed: %s", tracked.request_id, address, e)
+                continue
+            tracked.prefilled_by = f"remote:{address}"
+            tracked.kv_bytes = num_bytes
+            first = SampledTokens(
+                [response.first_token_id],
+                [logprob_from_proto(response.first_logprob)]
+                if response.HasField("first_logprob")
+                else None,
+            )
+            rid, cached = tracked.request_id, response.num_cached_tokens
+
+            def join() -> None:
+                update = engine.finish_remote_prefill(rid, first, cached)
+                if update is not None:
+                    self.engine_loop.publish([update])
+
+            self.engine_loop.submit(join)
+            return
+        logger.info("%s: no prefill node delivered; prefilling locally", tracked.request_id)
+        self.engine_loop.submit(lambda: engine.fail_remote_prefill(tracked.request_id))
+
+    async def _try(
+        self, address: str, rp: RemotePrefill, tracked: Tracked
+    ) -> tuple[node_pb2.PrefillResponse, int]:
+        block_size = self.layout.block_size
+        skip = rp.num_local_cached_tokens // block_size
+        num_blocks = cdiv(len(tracked.prompt_token_ids), block_size) - skip
+        transfer_id = f"{tracked.request_id}/{uuid.uuid4().hex[:12]}"
+        kv_cache = self.engine_loop.engine.runner.kv_cache
+        block_ids = rp.block_ids
+
+        def on_blocks(header: TransferHeader, payload) -> None:
+            # wire block j is the request's block skip + j (the receiver checked the range)
+            start = skip + header.first_block
+            scatter_blocks(kv_cache, block_ids[start : start + header.num_blocks], payload)
+
+        self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
+        tracked.transfer_id = transfer_id
+        request = node_pb2.PrefillRequest(
+            request_id=tracked.request_id,
+            prompt_token_ids=tracked.prompt_token_ids,
+            sampling_params=sampling_params_to_proto(tracked.sampling_params),
+            seed=tracked.seed,
+            cache_salt=tracked.cache_salt,
+            kv_target=node_pb2.KVTarget(
+                address=self.receiver.address,
+                transfer_id=transfer_id,
+                skip_blocks=skip,
+                layout=layout_to_proto(self.layout),
+            ),
+        )
+        response = await self._stub(address).Prefill(request, timeout=self.prefill_timeout_s)
+        stats = await self.receiver.wait(transfer_id, timeout_s=self.transfer_timeout_s)
+        tracked.transfer_id = None
+        return response, stats.bytes
+
+    def _abort_remote(self, address: str, tracked: Tracked) -> None:
+        """The request went away mid-prefill: stop receiving and tell the prefill node."""
+        self.cancel_transfer(tracked)
+        abort = node_pb2.AbortRequest(request_id=tracked.request_id)
+        call = self._stub(address).Abort(abort, timeout=2.0)
+        asyncio.ensure_future(_ignore_errors(call))
+
+
+async def _ignore_errors(call) -> None:
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        logger.debug("abort on prefill node failed: %s", e)
+
+
+def layout_to_proto(layout: LayoutSignature) -> node_pb2.KVLayout:
+    return node_pb2.KVLayout(
+        model=layout.model,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+    )
+
+
+def layout_from_proto(msg: node_pb2.KVLayout) -> LayoutSignature:
+    return LayoutSignature(
+        model=msg.model,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+    )

@@ -1,0 +1,145 @@
+"""The DecodeNode gRPC service: a thin adapter from the wire to the engine loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decode_node.remote_prefill import RemotePrefiller, Tracked
+from engine.engine_loop import EngineLoop
+from engine.scheduler import RemotePrefill, RequestUpdate
+from pdserve.node import node_load
+from pdserve.protocol import finish_reason_to_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
+    """Admits requests, streams their tokens; remote prefills go through the RemotePrefiller."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        prefiller: RemotePrefiller | None,
+        node_id: str,
+        model: str,
+        token_timeout_s: float,
+    ) -> None:
+        self.loop = engine_loop
+        self.prefiller = prefiller
+        self.node_id = node_id
+        self.model = model
+        self.token_timeout_s = token_timeout_s
+        self.accepting = True
+        self.tracked: dict[str, Tracked] = {}
+        self._seeds = random.Random()
+
+    # -- called by the engine's KV connector (on the event loop) -----------------------------------
+
+    def on_remote_prefill(self, rp: RemotePrefill) -> None:
+        tracked = self.tracked.get(rp.request_id)
+        if tracked is None or self.prefiller is None:  # gone already: the abort frees blocks
+            self.loop.submit(lambda: self.loop.engine.fail_remote_prefill(rp.request_id))
+            return
+        tracked.task = asyncio.ensure_future(self.prefiller.run(rp, tracked))
+
+    # -- RPCs --------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        rid = request.request_id
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node is draining")
+        if not rid or rid in self.tracked:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad or duplicate id {rid!r}")
+        try:
+            params = sampling_params_from_proto(request.sampling_params)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        prompt = list(request.prompt_token_ids)
+        candidates = list(request.prefill_candidates) if self.prefiller else []
+        tracked = Tracked(rid, prompt, params, seed, request.cache_salt, candidates)
+        stream = self.loop.open_stream(rid)
+        self.tracked[rid] = tracked
+        finished = False
+        try:
+            await self.loop.call(
+                lambda e: e.add_request(
+                    rid,
+                    prompt,
+                    params,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt or None,
+                    seed=seed,
+                    wants_remote_prefill=bool(candidates),
+                )
+            )
+        except ValueError as e:
+            self.tracked.pop(rid, None)
+            self.loop.close_stream(rid)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            first = True
+            while not finished:
+                update = await stream.get(self.token_timeout_s)
+                finished = update.finished
+                yield self._chunk(update, tracked, first)
+                first = False
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the deadline")
+        except RuntimeError as e:  # the engine stopped or failed
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        finally:
+            if not finished:
+                self.abort(rid)
+            self.tracked.pop(rid, None)
+
+    def _chunk(self, update: RequestUpdate, tracked: Tracked, first: bool) -> node_pb2.TokenChunk:
+        chunk = node_pb2.TokenChunk(
+            token_ids=update.new_token_ids,
+            logprobs=[logprob_to_proto(lp) for lp in update.new_logprobs if lp is not None],
+        )
+        if first:
+            chunk.num_prompt_tokens = len(tracked.prompt_token_ids)
+            chunk.num_cached_tokens = update.num_cached_tokens
+            chunk.prefilled_by = tracked.prefilled_by
+            chunk.kv_transfer_bytes = tracked.kv_bytes
+        if update.finished:
+            chunk.finish_reason = finish_reason_to_proto(update.status)
+        return chunk
+
+    async def Abort(
+        self, request: node_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.AbortResponse:
+        self.abort(request.request_id)
+        return node_pb2.AbortResponse()
+
+    async def GetLoad(
+        self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.NodeLoad:
+        kv_address = self.prefiller.receiver.address if self.prefiller else ""
+        return node_load(self.loop, self.node_id, "decode", self.model, self.accepting, kv_address)
+
+    # -- aborting ---------------------------------------------------------------------------------
+
+    def abort(self, request_id: str) -> None:
+        """End a request: stop its KV transfer first (no scatter into blocks about to be freed),
+        then its prefill task, then the engine request; its stream ends with finish abort."""
+        tracked = self.tracked.get(request_id)
+        if tracked is not None:
+            if self.prefiller is not None:
+                self.prefiller.cancel_transfer(tracked)
+            if tracked.task is not None:
+                tracked.task.cancel()
+        self.loop.abort(request_id)
+
+    def abort_all(self) -> None:
+        for request_id in list(self.tracked):
+            self.abort(request_id)

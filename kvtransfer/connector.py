@@ -1,0 +1,175 @@
+"""The KV connector: the seam between the engine (scheduler + model runner) and a transport.
+
+Both halves implement engine.llm_engine.EngineKVConnector; the engine calls them on its own
+thread, and they hand all I/O to the node's event loop.
+
+- `KVPushConnector` (prefill role): after each step, snapshots the blocks of a request that
+  became final (full, or the prompt's last partial block once the prompt is done) and sends
+  them to the decode node's receiver, so the transfer overlaps the rest of the prefill.
+- `KVPullConnector` (decode role): when the scheduler reserves blocks for a remote prefill, asks
+  the node to find a prefill node (`start_remote_prefills` -> the node's callback) and scatters
+  arriving blocks into the reserved ones.
+
+A transfer carries the request's blocks [skip_blocks, ceil(prompt_len / block_size)) - those
+the decode node does not have in its own prefix cache. Block indices on the wire count from
+the start of that range (wire block j is the request's block skip_blocks + j, which holds
+tokens [(skip_blocks + j) * block_size, ...)); each end maps them to its own physical blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.scheduler import RemotePrefill, SchedulerOutput
+from kvtransfer.transport import KVSender, TransferStats
+from kvtransfer.wire import LayoutSignature, TransferHeader
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_layout(model: str, kv_cache: torch.Tensor, block_size: int) -> LayoutSignature:
+    """The layout signature of an engine's KV tensor [layers, blocks, 2, kv_heads, bs, dim]."""
+    num_layers, _, _, num_kv_heads, bs, head_dim = kv_cache.shape
+    assert bs == block_size
+    return LayoutSignature(
+        model=model,
+        dtype=str(kv_cache.dtype).removeprefix("torch."),
+        num_layers=num_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+    )
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> np.ndarray:
+    """Copy blocks out of the cache as wire payload bytes ([layers, n, 2, kv_heads, bs, dim])."""
+    index = torch.tensor(block_ids, dtype=torch.long)
+    blocks = kv_cache.index_select(1, index)
+    return blocks.view(torch.uint8).numpy().reshape(-1)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], payload: np.ndarray) -> None:
+    """Write wire payload bytes into the given blocks of the cache."""
+    num_layers, _, *block_shape = kv_cache.shape
+    src = torch.from_numpy(payload).view(kv_cache.dtype)
+    src = src.view(num_layers, len(block_ids), *block_shape)
+    kv_cache.index_copy_(1, torch.tensor(block_ids, dtype=torch.long), src)
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Where one request's KV goes (from PrefillRequest.kv_target)."""
+
+    address: str
+    transfer_id: str
+    skip_blocks: int
+    trace_context: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Push:
+    target: PushTarget
+    num_prompt_tokens: int
+    next_block: int
+    sends: list[Future] = field(default_factory=list)
+    bytes: int = 0
+    started: float | None = None
+
+
+class KVPushConnector:
+    """Prefill role. register() a request before adding it to the engine, then await
+    sent() after its first token: it resolves once every block has been delivered."""
+
+    def __init__(
+        self,
+        kv_cache: torch.Tensor,
+        layout: LayoutSignature,
+        sender: KVSender,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.sender = sender
+        self.loop = loop
+        self._pushes: dict[str, _Push] = {}  # guarded by the GIL: engine thread + event loop
+
+    def register(self, request_id: str, target: PushTarget, num_prompt_tokens: int) -> None:
+        self._pushes[request_id] = _Push(target, num_prompt_tokens, target.skip_blocks)
+
+    def unregister(self, request_id: str) -> None:
+        push = self._pushes.pop(request_id, None)
+        for send in push.sends if push else ():
+            send.cancel()
+
+    async def sent(self, request_id: str, timeout_s: float) -> TransferStats:
+        """Wait until all of the request's blocks are delivered; raises what a send raised."""
+        push = self._pushes[request_id]
+        expected = cdiv(push.num_prompt_tokens, self.layout.block_size)
+        if push.next_block < expected:
+            raise RuntimeError(f"{request_id}: blocks {push.next_block}..{expected} never sent")
+        sends = [asyncio.wrap_future(f) for f in push.sends]
+        await asyncio.wait_for(asyncio.gather(*sends), timeout_s)
+        seconds = time.perf_counter() - push.started if push.started else 0.0
+        return TransferStats(bytes=push.bytes, seconds=seconds, num_messages=len(push.sends))
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
+        raise RuntimeError("a prefill node does not request remote prefills")
+
+    def after_execute(self, output: SchedulerOutput) -> None:
+        for chunk in output.chunks:
+            push = self._pushes.get(chunk.request_id)
+            if push is None:
+                continue
+            computed = chunk.start_pos + len(chunk.token_ids)
+            if computed >= push.num_prompt_tokens:  # the partial last block is final too
+                final = cdiv(push.num_prompt_tokens, self.layout.block_size)
+            else:
+                final = computed // self.layout.block_size
+            if final > push.next_block:
+                self._send(push, chunk.block_ids[push.next_block : final])
+                push.next_block = final
+
+    def _send(self, push: _Push, block_ids: list[int]) -> None:
+        payload = gather_blocks(self.kv_cache, block_ids)
+        header = TransferHeader(
+            transfer_id=push.target.transfer_id,
+            layout=self.layout,
+            first_block=push.next_block - push.target.skip_blocks,
+            num_blocks=len(block_ids),
+            payload_bytes=payload.nbytes,
+            trace_context=push.target.trace_context,
+        )
+        push.started = push.started or time.perf_counter()
+        push.bytes += payload.nbytes
+        coro = self.sender.send(push.target.address, header, payload)
+        push.sends.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+
+class KVPullConnector:
+    """Decode role: hands the scheduler's remote prefills to the node's event loop, where the
+    node runs the Prefill RPC and the receive (scattering with scatter_blocks), then reports
+    back through LLMEngine.finish_remote_prefill / fail_remote_prefill."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_remote_prefill: Callable[[RemotePrefill], None]
+    ) -> None:
+        self.loop = loop
+        self._on_remote_prefill = on_remote_prefill
+
+    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
+        for rp in remote_prefills:
+            self.loop.call_soon_threadsafe(self._on_remote_prefill, rp)
+
+    def after_execute(self, output: SchedulerOutput) -> None:
+        pass

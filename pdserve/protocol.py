@@ -1,0 +1,66 @@
+"""Conversions between the engine's types and the pdserve.v1 protobuf messages."""
+
+from __future__ import annotations
+
+from engine.request import RequestStatus, SamplingParams, TokenLogprobs
+from pdserve.v1 import common_pb2
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH_CAPPED: common_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
+}
+
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "skip_special_tokens",
+)
+
+
+def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset optional fields take SamplingParams' defaults; raises ValueError when invalid."""
+    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    return SamplingParams(
+        **kwargs,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        stop=tuple(msg.stop),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(params.stop),
+        ignore_eos=params.ignore_eos,
+    )
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprob_to_proto(lp: TokenLogprobs) -> common_pb2.TokenLogprob:
+    top = [common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top.items()]
+    return common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, rank=lp.rank, top=top)
+
+
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
+    top = {t.token_id: t.logprob for t in msg.top}
+    return TokenLogprobs(token_id=msg.token_id, logprob=msg.logprob, rank=msg.rank, top=top)
+
+
+def finish_reason_to_proto(status: RequestStatus) -> int:
+    return _FINISH_REASONS.get(status, common_pb2.FINISH_REASON_UNSPECIFIED)

@@ -1,0 +1,225 @@
+"""`pdserve serve`: the whole stack on one machine, as separate processes.
+
+Starts N prefill nodes, M decode nodes and the gateway (each a `pdserve` sub-command in its own
+process), waits until the gateway's /health is 200, logs the URLs, and on Ctrl-C/SIGTERM stops
+everything (SIGTERM first so nodes drain, SIGKILL after a deadline). Children die with this
+process even if it is killed (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+# Engine flags forwarded to every node unchanged: (argparse dest, flag).
+_ENGINE_FLAGS = [
+    ("dtype", "--dtype"),
+    ("block_size", "--block-size"),
+    ("max_num_seqs", "--max-num-seqs"),
+    ("max_num_batched_tokens", "--max-num-batched-tokens"),
+    ("max_model_len", "--max-model-len"),
+    ("num_blocks", "--num-blocks"),
+    ("kv_cache_memory", "--kv-cache-memory"),
+    ("scheduling_policy", "--scheduling-policy"),
+    ("seed", "--seed"),
+    ("num_threads", "--num-threads"),
+    ("kv_transport", "--kv-transport"),
+    ("served_model_name", "--served-model-name"),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from pdserve.cli import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--num-prefill", type=int, default=1, help="prefill node processes (0 = none)")
+    p.add_argument("--num-decode", type=int, default=1, help="decode node processes (>= 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI REST)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = off)")
+    p.add_argument(
+        "--served-model-name", default=None, help="model id clients use (default: --model)"
+    )
+    p.add_argument(
+        "--kv-transport", default="ucx", choices=["ucx", "tcp"], help="KV transport between nodes"
+    )
+    p.add_argument(
+        "--remote-prefill-min-tokens",
+        type=int,
+        default=32,
+        help="decode nodes prefill prompts with fewer uncached tokens locally",
+    )
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch threads per node (default: all)"
+    )
+    p.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="pin node k to CPU core k mod cores (with --num-threads 1: one core per node)",
+    )
+    p.add_argument(
+        "--max-num-requests", type=int, default=1024, help="gateway admission limit (then 429)"
+    )
+    p.add_argument(
+        "--startup-timeout-s", type=float, default=300.0, help="deadline for /health to be 200"
+    )
+    p.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to every node, e.g. --node-arg=--speculative-config=... "
+        "(repeatable)",
+    )
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    address: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _pin(core: int):
+    def setup() -> None:
+        _die_with_parent()
+        os.sched_setaffinity(0, {core})
+
+    return setup
+
+
+def _forwarded(args: argparse.Namespace) -> list[str]:
+    argv = ["--model", args.model]
+    for dest, flag in _ENGINE_FLAGS:
+        value = getattr(args, dest, None)
+        if value is not None:
+            argv += [flag, str(value)]
+    if not args.enable_prefix_caching:
+        argv.append("--no-enable-prefix-caching")
+    return argv + list(args.node_arg)
+
+
+def _spawn(name: str, argv: list[str], core: int | None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "pdserve.cli", *argv]
+    logger.info("starting %s: %s", name, " ".join(cmd[2:]))
+    setup = _pin(core) if core is not None else _die_with_parent
+    return subprocess.Popen(cmd, preexec_fn=setup)
+
+
+def start_stack(args: argparse.Namespace) -> list[Child]:
+    children: list[Child] = []
+    cores = os.cpu_count() or 1
+    node_argv = _forwarded(args)
+    for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
+        for i in range(count):
+            port = free_port()
+            argv = [role, *node_argv, "--port", str(port)]
+            if role == "decode":
+                argv += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+            core = len(children) % cores if args.pin_cpus else None
+            process = _spawn(f"{role}-{i}", argv, core)
+            children.append(Child(f"{role}-{i}", process, f"127.0.0.1:{port}"))
+    prefill = ",".join(c.address for c in children if c.name.startswith("prefill"))
+    decode = ",".join(c.address for c in children if c.name.startswith("decode"))
+    gateway_argv = ["gateway", "--model", args.model, "--host", args.host]
+    gateway_argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
+    gateway_argv += ["--decode-nodes", decode, "--max-num-requests", str(args.max_num_requests)]
+    if prefill:
+        gateway_argv += ["--prefill-nodes", prefill]
+    if args.served_model_name:
+        gateway_argv += ["--served-model-name", args.served_model_name]
+    if args.max_model_len:
+        gateway_argv += ["--max-model-len", str(args.max_model_len)]
+    gateway = _spawn("gateway", gateway_argv, None)
+    children.append(Child("gateway", gateway, f"{args.host}:{args.port}"))
+    return children
+
+
+def wait_healthy(url: str, children: list[Child], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        dead = [c.name for c in children if c.process.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{', '.join(dead)} exited during startup")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
+
+
+def stop_stack(children: list[Child], timeout_s: float = 20.0) -> None:
+    """SIGTERM everyone (gateway first, then nodes drain), SIGKILL what outlives the deadline."""
+    for child in reversed(children):
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for child in reversed(children):
+        try:
+            child.process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not stop in time; killing it", child.name)
+            child.process.kill()
+            child.process.wait(5.0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.num_decode < 1:
+        raise ValueError("--num-decode must be >= 1")
+    stopping = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    children = start_stack(args)
+    try:
+        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+        base = f"http://{host}:{args.port}"
+        wait_healthy(f"{base}/health", children, args.startup_timeout_s)
+        logger.info("pdserve is up: OpenAI REST %s/v1, gRPC %s:%d", base, host, args.grpc_port)
+        for child in children:
+            logger.info("  %-10s %s (pid %d)", child.name, child.address, child.process.pid)
+        reported: set[str] = set()
+        while not stopping:
+            # A dead node is routed around by the gateway; only the gateway's death ends us.
+            for child in children:
+                code = child.process.poll()
+                if code is not None and child.name not in reported:
+                    reported.add(child.name)
+                    logger.error("%s exited with code %s", child.name, code)
+                    if child.name == "gateway":
+                        return 1
+            time.sleep(0.2)
+        logger.info("stopping")
+        return 0
+    finally:
+        stop_stack(children)

@@ -1,0 +1,1 @@
+"""The prefill role: gRPC servicer and process main."""

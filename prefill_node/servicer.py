@@ -1,0 +1,111 @@
+"""The PrefillNode gRPC service: a thin adapter from the wire to the engine loop."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from decode_node.remote_prefill import layout_from_proto
+from engine.engine_loop import EngineLoop
+from engine.llm_engine import LLMEngine
+from engine.request import RequestStatus
+from engine.scheduler import RequestUpdate
+from kvtransfer.connector import KVPushConnector, PushTarget
+from kvtransfer.transport import KVTransferError
+from kvtransfer.wire import KVLayoutMismatch
+from pdserve.node import node_load
+from pdserve.protocol import logprob_to_proto, sampling_params_from_proto
+from pdserve.v1 import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+def end_after_first_token(engine: LLMEngine, updates: list[RequestUpdate]) -> None:
+    """The prefill role's after_step hook: a request leaves once its first token is sampled
+    (the KV connector has already snapshotted its blocks, so freeing them is safe)."""
+    for update in updates:
+        if not update.finished:
+            engine.finish_request(update.request_id, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
+    """Prefills prompts and pushes their KV to the decode node that reserved the blocks."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        connector: KVPushConnector,
+        node_id: str,
+        model: str,
+        timeout_s: float,
+    ) -> None:
+        self.loop = engine_loop
+        self.connector = connector
+        self.node_id = node_id
+        self.model = model
+        self.timeout_s = timeout_s
+        self.accepting = True
+        self._in_flight: set[str] = set()
+
+    async def Prefill(
+        self, request: node_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.PrefillResponse:
+        rid = request.request_id
+        if not self.accepting:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node is draining")
+        try:
+            self.connector.layout.check(layout_from_proto(request.kv_target.layout))
+            params = sampling_params_from_proto(request.sampling_params)
+        except KVLayoutMismatch as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        target = request.kv_target
+        prompt = list(request.prompt_token_ids)
+        push = PushTarget(target.address, target.transfer_id, target.skip_blocks)
+        stream = self.loop.open_stream(rid)
+        self.connector.register(rid, push, len(prompt))
+        self._in_flight.add(rid)
+        try:
+            await self.loop.call(
+                lambda e: e.add_request(
+                    rid, prompt, params, cache_salt=request.cache_salt or None, seed=request.seed
+                )
+            )
+            update = await stream.get(self.timeout_s)
+            if update.status is RequestStatus.FINISHED_ABORTED or not update.new_token_ids:
+                await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
+            stats = await self.connector.sent(rid, self.timeout_s)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (KVTransferError, TimeoutError) as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}")
+        finally:
+            self._in_flight.discard(rid)
+            self.connector.unregister(rid)
+            self.loop.abort(rid)  # no-op when it already ended after its first token
+        response = node_pb2.PrefillResponse(
+            first_token_id=update.new_token_ids[0],
+            num_cached_tokens=update.num_cached_tokens,
+            kv_bytes=stats.bytes,
+            kv_seconds=stats.seconds,
+        )
+        if update.new_logprobs and update.new_logprobs[0] is not None:
+            response.first_logprob.CopyFrom(logprob_to_proto(update.new_logprobs[0]))
+        return response
+
+    def abort_all(self) -> None:
+        for request_id in list(self._in_flight):
+            self.loop.abort(request_id)
+
+    async def Abort(
+        self, request: node_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.AbortResponse:
+        self.loop.abort(request.request_id)
+        return node_pb2.AbortResponse()
+
+    async def GetLoad(
+        self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.NodeLoad:
+        return node_load(self.loop, self.node_id, "prefill", self.model, self.accepting)

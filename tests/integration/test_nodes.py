@@ -1,0 +1,168 @@
+"""Prefill and decode nodes as real processes on 127.0.0.1, driven through the generated gRPC
+stubs (no gateway): remote prefill over each KV transport equals the offline engine."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from kvtransfer.transport import available_transports
+from pdserve.protocol import sampling_params_to_proto
+from pdserve.v1 import node_pb2, node_pb2_grpc
+from tests.integration.procs import Proc, free_port, wait_grpc_serving
+
+BLOCK = 16
+NODE_FLAGS = ["--block-size", str(BLOCK), "--num-blocks", "256", "--dtype", "float32"]
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module", params=[t for t in ("tcp", "ucx") if t in available_transports()])
+def nodes(request, tiny_llama, tmp_path_factory):
+    """One prefill node and one decode node using the given KV transport."""
+    transport = request.param
+    logs = tmp_path_factory.mktemp(f"nodes_{transport}")
+    procs = []
+    try:
+        addresses = {}
+        for role in ("prefill", "decode"):
+            port = free_port()
+            argv = [role, "--model", tiny_llama, *NODE_FLAGS, "--port", str(port)]
+            argv += ["--kv-transport", transport, "--num-threads", "1"]
+            if role == "decode":
+                argv += ["--remote-prefill-min-tokens", "8"]
+            proc = Proc(argv, logs / f"{role}.log")
+            procs.append(proc)
+            addresses[role] = f"127.0.0.1:{port}"
+        for proc, address in zip(procs, addresses.values(), strict=True):
+            wait_grpc_serving(address, proc)
+        yield transport, addresses, procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama):
+    return LLM(model=tiny_llama, dtype="float32", block_size=BLOCK, num_blocks=256)
+
+
+def generate(address, request_id, prompt, params, candidates=()):
+    with grpc.insecure_channel(address) as channel:
+        stub = node_pb2_grpc.DecodeNodeStub(channel)
+        request = node_pb2.DecodeRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=sampling_params_to_proto(params),
+            prefill_candidates=list(candidates),
+        )
+        chunks = list(stub.Generate(request, timeout=TIMEOUT_S))
+    return chunks
+
+
+def load(address):
+    with grpc.insecure_channel(address) as channel:
+        return node_pb2_grpc.DecodeNodeStub(channel).GetLoad(
+            node_pb2.GetLoadRequest(), timeout=5.0
+        )
+
+
+def prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 2000) for _ in range(rng.randrange(9, 120))] for _ in range(n)]
+
+
+def test_remote_prefill_equals_offline_and_moves_exactly_the_prompt_kv(nodes, offline):
+    transport, addr, _ = nodes
+    cases = prompts(6, seed=1)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, logprobs=2),
+    ]
+    layout_load = load(addr["decode"])
+    assert layout_load.kv_address.startswith(f"{transport}://")
+    for i, prompt in enumerate(cases):
+        p = params[i % 2]
+        want = offline.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+        chunks = generate(addr["decode"], f"{transport}-r{i}", prompt, p, [addr["prefill"]])
+        got = [t for c in chunks for t in c.token_ids]
+        assert got == want.token_ids, f"prompt {i}"
+        first = chunks[0]
+        assert first.prefilled_by == f"remote:{addr['prefill']}"
+        assert first.num_prompt_tokens == len(prompt)
+        # fp32 tiny llama: 4 layers x K,V x 2 kv heads x 16 slots x 64 dims x 4 bytes per block
+        block_bytes = 4 * 2 * 2 * BLOCK * 64 * 4
+        assert first.kv_transfer_bytes == -(-len(prompt) // BLOCK) * block_bytes
+        assert chunks[-1].finish_reason != 0
+        if p.logprobs is not None:
+            lps = [lp for c in chunks for lp in c.logprobs]
+            assert [lp.token_id for lp in lps] == got
+            for lp, ref in zip(lps, want.logprobs, strict=True):
+                assert lp.logprob == pytest.approx(ref.logprob, abs=1e-4)
+    assert load(addr["decode"]).num_free_blocks == layout_load.num_total_blocks
+
+
+def test_short_prompts_prefill_locally(nodes, offline):
+    _, addr, _ = nodes
+    prompt = [5, 6, 7, 8]  # 4 uncached tokens < --remote-prefill-min-tokens 8
+    p = SamplingParams(max_tokens=5, temperature=0.0)
+    chunks = generate(addr["decode"], "short", prompt, p, [addr["prefill"]])
+    assert chunks[0].prefilled_by == "local" and chunks[0].kv_transfer_bytes == 0
+    want = offline.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == want
+
+
+def test_dead_prefill_candidate_falls_back(nodes, offline):
+    _, addr, _ = nodes
+    prompt = prompts(1, seed=5)[0]
+    p = SamplingParams(max_tokens=6, temperature=0.0)
+    dead = f"127.0.0.1:{free_port()}"
+    chunks = generate(addr["decode"], "fallback", prompt, p, [dead, addr["prefill"]])
+    assert chunks[0].prefilled_by == f"remote:{addr['prefill']}"
+    want = offline.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == want
+    chunks = generate(addr["decode"], "all-dead", prompt, p, [dead])
+    assert chunks[0].prefilled_by == "local"
+    assert [t for c in chunks for t in c.token_ids] == want
+
+
+def test_cancel_mid_stream_frees_every_block(nodes):
+    _, addr, _ = nodes
+    total = load(addr["decode"]).num_total_blocks
+    with grpc.insecure_channel(addr["decode"]) as channel:
+        stub = node_pb2_grpc.DecodeNodeStub(channel)
+        request = node_pb2.DecodeRequest(
+            request_id="cancel-me",
+            prompt_token_ids=prompts(1, seed=9)[0],
+            sampling_params=sampling_params_to_proto(
+                SamplingParams(max_tokens=200, ignore_eos=True)
+            ),
+            prefill_candidates=[addr["prefill"]],
+        )
+        call = stub.Generate(request, timeout=TIMEOUT_S)
+        next(call)
+        call.cancel()
+    import time
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and load(addr["decode"]).num_free_blocks != total:
+        time.sleep(0.05)
+    assert load(addr["decode"]).num_free_blocks == total
+    assert load(addr["decode"]).num_running == 0
+
+
+def test_bad_request_is_invalid_argument_and_node_keeps_serving(nodes, offline):
+    _, addr, _ = nodes
+    with pytest.raises(grpc.RpcError) as err:
+        generate(addr["decode"], "bad", [10**7], SamplingParams(max_tokens=3))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "vocabulary" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        generate(addr["decode"], "bad2", [1, 2], SamplingParams(max_tokens=10**6))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    p = SamplingParams(max_tokens=4, temperature=0.0)
+    chunks = generate(addr["decode"], "good-after-bad", [3, 4, 5], p)
+    want = offline.generate([[3, 4, 5]], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == want
