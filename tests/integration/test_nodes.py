@@ -166,3 +166,40 @@ def test_bad_request_is_invalid_argument_and_node_keeps_serving(nodes, offline):
     chunks = generate(addr["decode"], "good-after-bad", [3, 4, 5], p)
     want = offline.generate([[3, 4, 5]], p, use_tqdm=False)[0].outputs[0].token_ids
     assert [t for c in chunks for t in c.token_ids] == want
+
+
+def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_llama, tmp_path):
+    import signal
+    import threading
+    import time
+
+    port = free_port()
+    argv = ["decode", "--model", tiny_llama, *NODE_FLAGS, "--port", str(port)]
+    proc = Proc([*argv, "--kv-transport", "tcp", "--drain-timeout-s", "1"], tmp_path / "d.log")
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_grpc_serving(address, proc)
+        p = SamplingParams(max_tokens=1900, ignore_eos=True)
+        chunks: list = []
+        errors: list = []
+
+        def consume():
+            try:
+                chunks.extend(generate(address, "long", [1, 2, 3], p))
+            except grpc.RpcError as e:
+                errors.append(e)
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and load(address).num_running == 0:
+            time.sleep(0.05)
+        proc.process.send_signal(signal.SIGTERM)
+        consumer.join(30)
+        assert not consumer.is_alive(), "the stream did not end after SIGTERM"
+        assert not errors, errors
+        assert chunks[-1].finish_reason == 3  # FINISH_REASON_ABORT after the 1 s drain
+        assert proc.process.wait(30) == 0
+        assert "decode node stopped" in proc.log()
+    finally:
+        proc.stop()
