@@ -13,6 +13,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass
+from functools import partial
 
 import grpc
 
@@ -102,17 +103,17 @@ class RemotePrefiller:
                 if response.HasField("first_logprob")
                 else None,
             )
-            rid, cached = tracked.request_id, response.num_cached_tokens
-
-            def join() -> None:
-                update = engine.finish_remote_prefill(rid, first, cached)
-                if update is not None:
-                    self.engine_loop.publish([update])
-
-            self.engine_loop.submit(join)
+            cached = response.num_cached_tokens
+            self.engine_loop.submit(partial(self._join, tracked.request_id, first, cached))
             return
         logger.info("%s: no prefill node delivered; prefilling locally", tracked.request_id)
         self.engine_loop.submit(lambda: engine.fail_remote_prefill(tracked.request_id))
+
+    def _join(self, request_id: str, first: SampledTokens, num_cached_tokens: int) -> None:
+        """On the engine thread: the request joins the running batch with its first token."""
+        update = self.engine_loop.engine.finish_remote_prefill(request_id, first, num_cached_tokens)
+        if update is not None:
+            self.engine_loop.publish([update])
 
     async def _try(
         self, address: str, rp: RemotePrefill, tracked: Tracked

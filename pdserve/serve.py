@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -20,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--startup-timeout-s", type=float, default=300.0, help="deadline for /health to be 200"
+    )
+    p.add_argument(
+        "--state-file",
+        default=None,
+        help="once healthy, write the processes (name, address, pid) here as JSON, for tools",
     )
     p.add_argument(
         "--node-arg",
@@ -208,6 +215,9 @@ def run(args: argparse.Namespace) -> int:
         logger.info("pdserve is up: OpenAI REST %s/v1, gRPC %s:%d", base, host, args.grpc_port)
         for child in children:
             logger.info("  %-10s %s (pid %d)", child.name, child.address, child.process.pid)
+        if args.state_file:
+            state = [{"name": c.name, "address": c.address, "pid": c.process.pid} for c in children]
+            Path(args.state_file).write_text(json.dumps(state, indent=2))
         reported: set[str] = set()
         while not stopping:
             # A dead node is routed around by the gateway; only the gateway's death ends us.

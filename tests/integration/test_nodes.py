@@ -64,9 +64,7 @@ def generate(address, request_id, prompt, params, candidates=()):
 
 def load(address):
     with grpc.insecure_channel(address) as channel:
-        return node_pb2_grpc.DecodeNodeStub(channel).GetLoad(
-            node_pb2.GetLoadRequest(), timeout=5.0
-        )
+        return node_pb2_grpc.DecodeNodeStub(channel).GetLoad(node_pb2.GetLoadRequest(), timeout=5.0)
 
 
 def prompts(n, seed=0):

@@ -70,4 +70,3 @@ def test_blocks_are_pushed_as_they_become_final_and_land_intact():
         await sender.close()
 
     asyncio.run(main())
-

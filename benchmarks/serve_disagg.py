@@ -1,0 +1,180 @@
+"""Aggregated vs disaggregated serving under the same load, measured with `pdserve bench serve`.
+
+aggregated:      `pdserve serve --num-prefill 0 --num-decode 1 --num-threads 2`
+                 (one node does prefill and decode; long prefills stall the decode batch)
+disaggregated:   `pdserve serve --num-prefill 1 --num-decode 1 --num-threads 1 --pin-cpus`
+                 (prefill on core 0, decode on core 1, KV over --kv-transport)
+
+Workload: Poisson arrivals of long random prompts, so new prompts keep arriving while earlier
+requests decode. Each mode gets a short warm-up run first (first-touch of the KV cache, lazy
+compilation). Writes benchmarks/results/serve_disagg.json and prints a markdown table.
+
+    .venv/bin/python benchmarks/serve_disagg.py --model models/small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("serve_disagg")
+
+MODES = {
+    "aggregated": ["--num-prefill", "0", "--num-decode", "1", "--num-threads", "2"],
+    "disaggregated": [
+        "--num-prefill", "1", "--num-decode", "1", "--num-threads", "1", "--pin-cpus",
+    ],
+}  # fmt: skip
+METRICS = ["ttft", "tpot", "itl", "e2el"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default="models/small", help="model dir (built if missing: small)")
+    p.add_argument("--modes", default="aggregated,disaggregated", help="comma-separated modes")
+    p.add_argument("--num-prompts", type=int, default=40, help="requests per mode")
+    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrival rate (req/s)")
+    p.add_argument("--random-input-len", type=int, default=512, help="mean prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=64, help="output tokens")
+    p.add_argument("--random-range-ratio", type=float, default=0.25, help="length spread")
+    p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"], help="KV transport")
+    p.add_argument("--dtype", default="float32", help="model dtype for both modes")
+    p.add_argument(
+        "--serve-arg", action="append", default=[], help="extra `pdserve serve` flag (repeatable)"
+    )
+    p.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/serve_disagg.json"), help="result JSON"
+    )
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_model(path: str) -> None:
+    if not (Path(path) / "config.json").exists():
+        subprocess.run(
+            [sys.executable, "-m", "pdserve.cli", "make-model", "--preset", "small", "--out", path],
+            check=True,
+        )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("pdserve serve exited during startup")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def bench(base_url: str, args: argparse.Namespace, num_prompts: int, result: Path) -> dict:
+    cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", base_url]
+    cmd += ["--dataset", "random", "--num-prompts", str(num_prompts)]
+    cmd += ["--request-rate", str(args.request_rate), "--seed", "0"]
+    cmd += ["--random-input-len", str(args.random_input_len)]
+    cmd += ["--random-output-len", str(args.random_output_len)]
+    cmd += ["--random-range-ratio", str(args.random_range_ratio)]
+    cmd += ["--tokenizer", args.model, "--result-file", str(result), "--disable-tqdm"]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return json.loads(result.read_text())
+
+
+def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model]
+    cmd += ["--port", str(port), "--grpc-port", "0", "--dtype", args.dtype]
+    cmd += ["--kv-transport", args.kv_transport, *MODES[mode], *args.serve_arg]
+    logger.info("%s: %s", mode, " ".join(cmd[2:]))
+    log = open(tmp / f"{mode}.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(f"{base}/health", proc)
+        bench(base, args, 6, tmp / f"{mode}-warmup.json")
+        return bench(base, args, args.num_prompts, tmp / f"{mode}.json")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def summary(result: dict) -> dict:
+    keys = ["request_throughput", "output_throughput", "completed", "failed"]
+    out = {k: result.get(k) for k in keys}
+    for metric in METRICS:
+        for stat in ("mean", "median", "p99"):
+            key = f"{stat}_{metric}_ms"
+            out[key] = result.get(key)
+    return out
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = ["| mode | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | TPOT p50 ms |"]
+    rows.append("|---|---|---|---|---|---|")
+    for mode, r in results.items():
+        rows.append(
+            f"| {mode} | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | "
+            f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
+            f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['median_tpot_ms']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = parse_args()
+    ensure_model(args.model)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            results[mode] = summary(run_mode(mode, args, Path(tmp)))
+    record = {
+        "benchmark": "serve_disagg",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "args": vars(args),
+        "results": results,
+    }
+    if {"aggregated", "disaggregated"} <= results.keys():
+        agg, dis = results["aggregated"], results["disaggregated"]
+        record["ratios"] = {
+            "p99_itl_disagg_over_agg": dis["p99_itl_ms"] / agg["p99_itl_ms"],
+            "p99_ttft_disagg_over_agg": dis["p99_ttft_ms"] / agg["p99_ttft_ms"],
+            "output_throughput_disagg_over_agg": dis["output_throughput"]
+            / agg["output_throughput"],
+        }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2))
+    sys.stdout.write(table(results) + "\n")
+    if "ratios" in record:
+        sys.stdout.write(json.dumps(record["ratios"], indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
