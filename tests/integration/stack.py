@@ -1,0 +1,76 @@
+"""A whole `pdserve serve` stack on 127.0.0.1 for integration tests."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from kvtransfer.transport import available_transports
+from pdserve.v1 import node_pb2, node_pb2_grpc
+from tests.integration.procs import Proc, free_port
+
+BLOCK = 16
+STACK_FLAGS = [
+    "--block-size", str(BLOCK), "--num-blocks", "512", "--dtype", "float32",
+    "--num-threads", "1", "--remote-prefill-min-tokens", "16", "--max-model-len", "512",
+]  # fmt: skip
+
+
+@dataclass
+class Stack:
+    proc: Proc
+    base_url: str
+    grpc_address: str
+    model: str
+    nodes: dict[str, dict]
+    """name ("prefill-0", "decode-1", ...) -> {"address", "pid"} from serve's state file."""
+
+    def node_addresses(self, role: str) -> list[str]:
+        return [n["address"] for name, n in self.nodes.items() if name.startswith(role)]
+
+    def load(self, address: str) -> node_pb2.NodeLoad:
+        with grpc.insecure_channel(address) as channel:
+            stub = node_pb2_grpc.DecodeNodeStub(channel)  # GetLoad has the same shape on both
+            return stub.GetLoad(node_pb2.GetLoadRequest(), timeout=5.0)
+
+    def wait_all_blocks_free(self, timeout_s: float = 20.0, skip: tuple[str, ...] = ()) -> None:
+        """Every live node's pool back to fully free (cached blocks count as free)."""
+        deadline = time.monotonic() + timeout_s
+        pending: list[str] = []
+        while time.monotonic() < deadline:
+            pending = []
+            for name, node in self.nodes.items():
+                if name == "gateway" or name in skip:
+                    continue
+                load = self.load(node["address"])
+                if load.num_free_blocks != load.num_total_blocks or load.num_running:
+                    pending.append(f"{name}: {load.num_free_blocks}/{load.num_total_blocks} free")
+            if not pending:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"blocks still held: {pending}")
+
+
+def transport() -> str:
+    return "ucx" if "ucx" in available_transports() else "tcp"
+
+
+def start_stack(model: str, log_dir: Path, num_prefill=2, num_decode=2, extra=()) -> Stack:
+    port, grpc_port = free_port(), free_port()
+    state = log_dir / "state.json"
+    argv = ["serve", "--model", model, "--num-prefill", str(num_prefill)]
+    argv += ["--num-decode", str(num_decode), "--kv-transport", transport(), *STACK_FLAGS]
+    argv += ["--port", str(port), "--grpc-port", str(grpc_port), "--state-file", str(state)]
+    proc = Proc([*argv, *extra], log_dir / "serve.log")
+    deadline = time.monotonic() + 240
+    while not state.exists():
+        if not proc.alive() or time.monotonic() > deadline:
+            proc.stop()
+            raise RuntimeError(f"pdserve serve did not come up:\n{proc.log()}")
+        time.sleep(0.25)
+    nodes = {n["name"]: n for n in json.loads(state.read_text())}
+    return Stack(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", model, nodes)
