@@ -392,7 +392,7 @@ class BenchmarkMetrics:
     output_lens: list[int]
     """Per request (0 for failed ones)."""
     stats: dict[str, MetricStats]
-    """"ttft", "tpot", "itl", "e2el" -> its summary."""
+    """Metric name ("ttft", "tpot", "itl", "e2el") -> its summary."""
 
 
 def metric_stats(values_s: Sequence[float], percentiles: Sequence[float]) -> MetricStats:

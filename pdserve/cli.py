@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="write one JSON record per prompt")
     gen.set_defaults(func=cmd_generate)
     _add_service_commands(sub)
+    from pdserve import bench
+
+    bench.add_parser(sub)
     return parser
 
 
