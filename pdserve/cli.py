@@ -188,12 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_service_commands(sub: argparse._SubParsersAction) -> None:
     """The long-running roles; each module owns its flags (add_arguments) and its life (run)."""
     import decode_node.main
+    import gateway.main
     import prefill_node.main
     from pdserve import serve
 
     roles = [
         ("prefill", prefill_node.main, "run a prefill node (computes prompts, pushes KV)"),
         ("decode", decode_node.main, "run a decode node (admits requests, streams tokens)"),
+        ("gateway", gateway.main, "run the gateway alone (OpenAI REST + gRPC) against nodes"),
         ("serve", serve, "run the whole stack on this machine: gateway + prefill + decode"),
     ]
     for name, module, text in roles:

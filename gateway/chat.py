@@ -1,0 +1,126 @@
+"""POST /v1/chat/completions: messages through the chat template to a GenerationRequest, and
+deltas back to chat.completion objects or chat.completion.chunk streams."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from gateway.completions import usage
+from gateway.context import GatewayContext
+from gateway.generation import GenerationRequest
+from gateway.logprobs import chat_logprobs
+from gateway.openai_api import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    DeltaMessage,
+)
+from gateway.prompts import chat_prompt_ids
+from gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
+from gateway.sequence import CompletionDelta, collect
+
+
+def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> GenerationRequest:
+    """Check, template, tokenize and size a chat request (raises ApiError)."""
+    ctx.check_model(body.model)
+    max_model_len = ctx.check_decode_available()
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    prompt_ids = chat_prompt_ids(
+        ctx.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs
+    )
+    max_tokens = fit_max_tokens(body.max_output_tokens, len(prompt_ids), max_model_len, "messages")
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = to_sampling_params(body, max_tokens, logprobs)
+    check_min_tokens(params)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    return ctx.new_request(
+        request_id, prompt_ids, params, body.n, body.cache_salt or "", body.priority
+    )
+
+
+async def chat_response(
+    ctx: GatewayContext,
+    body: ChatCompletionRequest,
+    request: GenerationRequest,
+    deltas: AsyncIterator[CompletionDelta],
+) -> ChatCompletionResponse:
+    """The whole chat completion once every choice has finished."""
+    outputs = await collect(deltas, request.n)
+    choices = [
+        ChatChoice(
+            index=out.index,
+            message=ChatResponseMessage(content=out.text),
+            logprobs=ChatLogprobs(content=chat_logprobs(out.logprobs, ctx.token_texts))
+            if body.logprobs
+            else None,
+            finish_reason=out.finish_reason,  # type: ignore[arg-type]
+            stop_reason=out.stop_reason,
+        )
+        for out in outputs
+    ]
+    return ChatCompletionResponse(
+        id=request.request_id,
+        created=int(time.time()),
+        model=body.model,
+        choices=choices,
+        usage=usage(
+            len(request.prompt_token_ids),
+            outputs[0].num_cached_tokens,
+            sum(len(out.token_ids) for out in outputs),
+        ),
+    )
+
+
+async def chat_stream(
+    ctx: GatewayContext,
+    body: ChatCompletionRequest,
+    request: GenerationRequest,
+    deltas: AsyncIterator[CompletionDelta],
+) -> AsyncIterator[str]:
+    """JSON of each chunk: first a role chunk per choice, then one per delta, then
+    (include_usage) one with the usage and no choices."""
+    created = int(time.time())
+    exclude = None if body.include_usage else {"usage"}
+
+    def chunk(choices: list[ChatChunkChoice]) -> str:
+        out = ChatCompletionChunk(
+            id=request.request_id, created=created, model=body.model, choices=choices
+        )
+        return out.model_dump_json(exclude=exclude)
+
+    for index in range(request.n):
+        yield chunk(
+            [ChatChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))]
+        )
+    num_output_tokens = [0] * request.n
+    num_cached_tokens = 0
+    async for delta in deltas:
+        num_output_tokens[delta.index] = delta.num_output_tokens
+        if delta.index == 0:
+            num_cached_tokens = delta.num_cached_tokens
+        logprobs = None
+        if body.logprobs:
+            logprobs = ChatLogprobs(content=chat_logprobs(delta.logprobs, ctx.token_texts))
+        choice = ChatChunkChoice(
+            index=delta.index,
+            delta=DeltaMessage(content=delta.text),
+            logprobs=logprobs,
+            finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            stop_reason=delta.stop_reason,
+        )
+        yield chunk([choice])
+    if body.include_usage:
+        last = ChatCompletionChunk(
+            id=request.request_id,
+            created=created,
+            model=body.model,
+            choices=[],
+            usage=usage(len(request.prompt_token_ids), num_cached_tokens, sum(num_output_tokens)),
+        )
+        yield last.model_dump_json()

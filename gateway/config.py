@@ -1,0 +1,74 @@
+"""GatewayConfig: everything the gateway process is told at start."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+
+def parse_address_list(value: str) -> tuple[str, ...]:
+    """Split "host:port,host:port" into addresses; blanks are dropped."""
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _check_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"node address {address!r} is not host:port")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """The gateway's settings (flags of `pdserve gateway`)."""
+
+    model: str
+    """Model directory the tokenizer and chat template are read from."""
+    served_model_name: str
+    """Model id clients must name (default: --model as given)."""
+    decode_nodes: tuple[str, ...]
+    """Decode node addresses (host:port); at least one."""
+    prefill_nodes: tuple[str, ...] = ()
+    """Prefill node addresses (host:port); may be empty (decode nodes prefill locally)."""
+    host: str = "127.0.0.1"
+    """Interface the REST and gRPC servers listen on."""
+    port: int = 8000
+    """REST port (0 picks a free one)."""
+    grpc_port: int | None = 50051
+    """Public gRPC port; None disables the gRPC front."""
+    max_model_len: int | None = None
+    """Longest prompt + generation accepted; None: the smallest the decode nodes report."""
+    max_num_requests: int = 1024
+    """Requests in flight at once; more are refused with 429 + Retry-After."""
+    request_timeout_s: float = 600.0
+    """Deadline of one request, from arrival to its last token."""
+    poll_interval_s: float = 0.5
+    """How often every node's load is polled."""
+    poll_timeout_s: float = 1.0
+    """Deadline of one load poll; a node that misses it is unhealthy."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish before the servers stop."""
+    log_level: str = "INFO"
+    """Logging level name."""
+
+    def __post_init__(self) -> None:
+        if not self.served_model_name:
+            raise ValueError("served_model_name must not be empty")
+        if not self.decode_nodes:
+            raise ValueError("at least one decode node is needed (--decode-nodes)")
+        for address in self.decode_nodes + self.prefill_nodes:
+            _check_address(address)
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
+            raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.max_num_requests < 1:
+            raise ValueError(f"max_num_requests must be >= 1, got {self.max_num_requests}")
+        for name in ("request_timeout_s", "poll_interval_s", "poll_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"unknown log level {self.log_level!r}")

@@ -1,0 +1,69 @@
+"""GatewayContext: what both front ends (REST and gRPC) share, and the checks they share."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+from gateway.admission import Admission
+from gateway.config import GatewayConfig
+from gateway.errors import ApiError
+from gateway.generation import GenerationRequest, Generator
+from gateway.logprobs import TokenTexts
+from gateway.registry import NodeRegistry
+from pdserve.v1 import common_pb2
+
+
+@dataclass
+class GatewayContext:
+    """The gateway's parts, built once by main."""
+
+    config: GatewayConfig
+    tokenizer: Tokenizer
+    registry: NodeRegistry
+    generator: Generator
+    admission: Admission
+    token_texts: TokenTexts
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name
+
+    def max_model_len(self) -> int | None:
+        """--max-model-len, else the smallest the decode nodes report (None: none has yet)."""
+        return self.config.max_model_len or self.registry.max_model_len()
+
+    def is_ready(self) -> bool:
+        """What /health and the gRPC health service report."""
+        return self.registry.is_ready() and not self.admission.draining
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError.model_not_found(model)
+
+    def check_decode_available(self) -> int:
+        """Fail fast (503) when no decode node accepts work; else the max_model_len."""
+        max_model_len = self.max_model_len()
+        if not any(n.accepting for n in self.registry.decode_nodes) or max_model_len is None:
+            raise ApiError.unavailable("no healthy decode node is available")
+        return max_model_len
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: common_pb2.SamplingParams,
+        n: int,
+        cache_salt: str = "",
+        priority: int = 0,
+    ) -> GenerationRequest:
+        return GenerationRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            deadline=time.monotonic() + self.config.request_timeout_s,
+            n=n,
+            cache_salt=cache_salt,
+            priority=priority,
+        )

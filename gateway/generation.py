@@ -1,0 +1,252 @@
+"""Generator: the request path from token ids to completion deltas.
+
+A request fans out into n child sequences. Each child is routed to a decode node and streamed
+from its Generate call through a SequenceOutput (detokenizer + stop strings). A node that
+refuses the request (full, draining, gone) before any token is replaced by another; a node that
+fails mid-stream is replaced too, with the prompt plus the tokens generated so far and
+max_tokens reduced to match, so a seeded sequence continues exactly as it would have. Every
+call carries the request's deadline, and leaving early (stop string, client gone, error)
+cancels the calls still open, which aborts the requests on their nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine.tokenizer import Tokenizer
+from gateway.errors import ApiError
+from gateway.registry import NodeRegistry, NodeState
+from gateway.router import Router
+from gateway.sequence import CompletionDelta, SequenceOutput
+from pdserve.v1 import common_pb2, node_pb2
+
+logger = logging.getLogger(__name__)
+
+_INT64_SPAN = 1 << 64
+_INT64_MAX = (1 << 63) - 1
+_REMOTE_PREFILL = "remote:"
+"""TokenChunk.prefilled_by prefix naming the prefill node that did the work."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated, tokenized request, ready for the decode tier."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: common_pb2.SamplingParams
+    """Validated; max_tokens always set. Child i of a seeded request uses seed + i."""
+    deadline: float
+    """time.monotonic() by which the last token must have arrived."""
+    n: int = 1
+    cache_salt: str = ""
+    priority: int = 0
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    """The decode request id of completion `index`: the request's own id when n == 1."""
+    return request_id if n == 1 else f"{request_id}-{index}"
+
+
+def child_seed(seed: int, index: int) -> int:
+    """seed + index, wrapped into int64 (as the engine reduces seeds)."""
+    return (seed + index + (1 << 63)) % _INT64_SPAN - (1 << 63)
+
+
+class _NodeFailed(Exception):
+    """A decode node could not finish a child; another node may."""
+
+
+class Generator:
+    """Runs GenerationRequests on the decode nodes of a registry (see the module docstring)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        registry: NodeRegistry,
+        router: Router,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._registry = registry
+        self._router = router
+        self._rng = rng or random.Random()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionDelta]:
+        """Deltas of all n completions, interleaved as they arrive; each completion's last
+        delta has finish_reason set. Raises ApiError; closing the iterator cancels every
+        child's decode call."""
+        queue: asyncio.Queue[CompletionDelta | ApiError] = asyncio.Queue()
+        tasks = [
+            asyncio.create_task(self._run_child(request, i, queue.put_nowait))
+            for i in range(request.n)
+        ]
+        try:
+            unfinished = request.n
+            while unfinished:
+                item = await queue.get()
+                if isinstance(item, ApiError):
+                    raise item
+                if item.finish_reason is not None:
+                    unfinished -= 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _child_params(self, request: GenerationRequest, index: int) -> common_pb2.SamplingParams:
+        params = common_pb2.SamplingParams()
+        params.CopyFrom(request.params)
+        if not params.HasField("seed"):
+            # A gateway-drawn seed makes a resubmitted sequence continue exactly.
+            params.seed = self._rng.randint(0, _INT64_MAX)
+        elif request.n > 1:
+            params.seed = child_seed(params.seed, index)  # as engine.llm fans out n
+        return params
+
+    async def _run_child(
+        self,
+        request: GenerationRequest,
+        index: int,
+        emit: Callable[[CompletionDelta | ApiError], None],
+    ) -> None:
+        try:
+            await self._drive_child(request, index, emit)
+        except ApiError as exc:
+            emit(exc)
+        except Exception as exc:  # a bug must fail the request, not hang it
+            logger.exception("request %s completion %d failed", request.request_id, index)
+            emit(ApiError.internal(f"request {request.request_id} failed: {exc!r}"))
+
+    async def _drive_child(
+        self,
+        request: GenerationRequest,
+        index: int,
+        emit: Callable[[CompletionDelta | ApiError], None],
+    ) -> None:
+        params = self._child_params(request, index)
+        seq = SequenceOutput(index, self._tokenizer, request.prompt_token_ids, params)
+        child_id = child_request_id(request.request_id, index, request.n)
+        failures: dict[str, str] = {}
+        while True:
+            if len(seq.output_token_ids) >= params.max_tokens:
+                # The node died after the last token but before sending its finish.
+                emit(seq.finish_delta("length"))
+                return
+            node = self._router.pick_decode(exclude=failures.keys())
+            if node is None:
+                raise _no_node_error(child_id, seq, failures)
+            decode_request = self._decode_request(request, child_id, len(failures), params, seq)
+            try:
+                await self._stream(node, decode_request, request.deadline, seq, emit)
+                return
+            except _NodeFailed as exc:
+                failures[node.address] = str(exc)
+                logger.warning(
+                    "decode node %s failed %s after %d tokens: %s",
+                    node.address,
+                    child_id,
+                    len(seq.output_token_ids),
+                    exc,
+                )
+
+    def _decode_request(
+        self,
+        request: GenerationRequest,
+        child_id: str,
+        attempt: int,
+        params: common_pb2.SamplingParams,
+        seq: SequenceOutput,
+    ) -> node_pb2.DecodeRequest:
+        """The DecodeRequest for an attempt: a resubmission's prompt holds the tokens already
+        generated, and its token limits shrink by as many."""
+        prompt = request.prompt_token_ids + seq.output_token_ids
+        attempt_params = common_pb2.SamplingParams()
+        attempt_params.CopyFrom(params)
+        num_done = len(seq.output_token_ids)
+        attempt_params.max_tokens = params.max_tokens - num_done
+        attempt_params.min_tokens = max(params.min_tokens - num_done, 0)
+        candidates = self._router.rank_prefill(prompt, request.cache_salt)
+        if candidates:
+            # Recorded now, not when the node reports it, so that the n children of one
+            # request (and bursts sharing a prefix) follow each other at once.
+            self._router.record_prefill(candidates[0].node.address, prompt, request.cache_salt)
+        return node_pb2.DecodeRequest(
+            # A fresh id per attempt: the failed node may still hold the old one.
+            request_id=child_id if attempt == 0 else f"{child_id}-retry{attempt}",
+            prompt_token_ids=prompt,
+            sampling_params=attempt_params,
+            prefill_candidates=[c.node.address for c in candidates],
+            cache_salt=request.cache_salt,
+            priority=request.priority,
+        )
+
+    async def _stream(
+        self,
+        node: NodeState,
+        decode_request: node_pb2.DecodeRequest,
+        deadline: float,
+        seq: SequenceOutput,
+        emit: Callable[[CompletionDelta | ApiError], None],
+    ) -> None:
+        """Stream one Generate call into seq until the sequence finishes; raises _NodeFailed
+        when another node should take over."""
+        timeout_s = deadline - time.monotonic()
+        if timeout_s <= 0:
+            raise ApiError.timeout(f"request {decode_request.request_id} ran out of time")
+        call = node.decode_stub.Generate(decode_request, timeout=timeout_s)
+        node.num_inflight += 1
+        try:
+            async for chunk in call:
+                if chunk.prefilled_by.startswith(_REMOTE_PREFILL):
+                    # The node may have passed over the top candidate.
+                    address = chunk.prefilled_by.removeprefix(_REMOTE_PREFILL)
+                    prompt = decode_request.prompt_token_ids
+                    self._router.record_prefill(address, prompt, decode_request.cache_salt)
+                delta = seq.add_chunk(chunk)
+                if delta.text or delta.token_ids or seq.finished:
+                    emit(delta)
+                if seq.finished:
+                    return
+                if chunk.finish_reason == common_pb2.FINISH_REASON_ABORT:
+                    raise _NodeFailed("the node aborted the request")
+            raise _NodeFailed("the stream ended without a finish reason")
+        except grpc.aio.AioRpcError as exc:
+            raise self._call_failure(node, exc, seq) from exc
+        finally:
+            node.num_inflight -= 1
+            call.cancel()  # no-op when the call is over; aborts the node's request otherwise
+
+    def _call_failure(
+        self, node: NodeState, exc: grpc.aio.AioRpcError, seq: SequenceOutput
+    ) -> Exception:
+        """What a failed Generate call means: the client's fault, the deadline, or a node
+        failure that another node may make good."""
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT and not seq.output_token_ids:
+            return ApiError.bad_request(f"the decode node rejected the request: {details}")
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return ApiError.timeout("the request did not finish within the request timeout")
+        if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # full or draining: the node is fine
+            self._registry.mark_failed(node, f"Generate failed: {code.name} {details}")
+        return _NodeFailed(f"{code.name}: {details}")
+
+
+def _no_node_error(child_id: str, seq: SequenceOutput, failures: dict[str, str]) -> ApiError:
+    if not failures:
+        return ApiError.unavailable("no healthy decode node is available")
+    reasons = "; ".join(f"{address}: {why}" for address, why in failures.items())
+    if seq.output_token_ids:
+        return ApiError.internal(
+            f"decode failed mid-stream for {child_id} after {len(seq.output_token_ids)} tokens "
+            f"and no other decode node could take over ({reasons})"
+        )
+    return ApiError.unavailable(f"no decode node could take the request ({reasons})")

@@ -1,0 +1,170 @@
+"""The public gRPC front: the Gateway service (Generate, ListModels) over the same request path
+as the REST front, plus the standard health service and server reflection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.admission import Ticket
+from gateway.context import GatewayContext
+from gateway.errors import ApiError
+from gateway.generation import GenerationRequest
+from gateway.openai_api import MAX_N
+from gateway.prompts import chat_prompt_ids, check_token_ids
+from gateway.sampling import check_min_tokens, check_sampling_params, fit_max_tokens
+from gateway.sequence import CompletionDelta
+from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+HEALTH_UPDATE_INTERVAL_S = 0.5
+DEFAULT_MAX_TOKENS = 16
+"""SamplingParams.max_tokens when unset (the proto's documented default)."""
+_CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+_FINISH_REASONS = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+}
+
+
+def _prompt_ids(ctx: GatewayContext, request: gateway_pb2.GenerateRequest) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind == "text":
+        return check_token_ids(ctx.tokenizer.encode(request.text), ctx.tokenizer.vocab_size, kind)
+    if kind == "token_ids":
+        return check_token_ids(request.token_ids.ids, ctx.tokenizer.vocab_size, kind)
+    if kind == "chat":
+        messages = request.chat.messages
+        if not messages:
+            raise ApiError.bad_request("chat.messages must not be empty", "chat")
+        for m in messages:
+            if m.role not in _CHAT_ROLES:
+                raise ApiError.bad_request(f"unknown chat role {m.role!r}", "chat")
+        return chat_prompt_ids(
+            ctx.tokenizer, [{"role": m.role, "content": m.content} for m in messages]
+        )
+    raise ApiError.bad_request("a prompt (text, chat or token_ids) is required", "prompt")
+
+
+def prepare_generate(
+    ctx: GatewayContext, request: gateway_pb2.GenerateRequest
+) -> GenerationRequest:
+    """Check, tokenize and size a gRPC GenerateRequest (raises ApiError)."""
+    ctx.check_model(request.model)
+    max_model_len = ctx.check_decode_available()
+    n = request.n if request.HasField("n") else 1
+    if not 1 <= n <= MAX_N:
+        raise ApiError.bad_request(f"n must be in [1, {MAX_N}], got {n}", "n")
+    params = common_pb2.SamplingParams()
+    params.CopyFrom(request.sampling_params)
+    check_sampling_params(params)
+    prompt_ids = _prompt_ids(ctx, request)
+    requested = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    params.max_tokens = fit_max_tokens(requested, len(prompt_ids), max_model_len, "prompt")
+    check_min_tokens(params)
+    request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
+    return ctx.new_request(request_id, prompt_ids, params, n, request.cache_salt)
+
+
+def _response(request_id: str, delta: CompletionDelta) -> gateway_pb2.GenerateResponse:
+    stop_reason = "" if delta.stop_reason is None else str(delta.stop_reason)
+    return gateway_pb2.GenerateResponse(
+        request_id=request_id,
+        index=delta.index,
+        text=delta.text,
+        token_ids=delta.token_ids,
+        logprobs=delta.logprobs,
+        finish_reason=_FINISH_REASONS[delta.finish_reason],
+        stop_reason=stop_reason,
+        prompt_tokens=delta.num_prompt_tokens,
+        cached_tokens=delta.num_cached_tokens,
+        completion_tokens=delta.num_output_tokens,
+    )
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Thin adapter from the Gateway service to the request path."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self._ctx = ctx
+
+    async def Generate(
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        ticket: Ticket | None = None
+        try:
+            ticket = self._ctx.admission.admit()
+            generation = prepare_generate(self._ctx, request)
+            deltas = self._ctx.generator.generate(generation)
+            async with contextlib.aclosing(deltas):
+                async for delta in deltas:
+                    yield _response(generation.request_id, delta)
+        except ApiError as exc:
+            await context.abort(exc.grpc_code, exc.message)
+        finally:
+            if ticket is not None:
+                ticket.release()
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        model = gateway_pb2.ModelInfo(
+            id=self._ctx.model_name, max_model_len=self._ctx.max_model_len() or 0
+        )
+        return gateway_pb2.ListModelsResponse(models=[model])
+
+
+class GrpcFront:
+    """The gRPC server: Gateway, grpc.health.v1.Health (SERVING exactly when /health is 200)
+    and reflection."""
+
+    def __init__(self, ctx: GatewayContext, host: str, port: int) -> None:
+        self._ctx = ctx
+        self._address = f"{host}:{port}"
+        self._server = grpc.aio.server()
+        self._health = health.aio.HealthServicer()
+        self._health_task: asyncio.Task[None] | None = None
+        gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(ctx), self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        services = (GATEWAY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, self._server)
+
+    async def start(self) -> int:
+        """Listen; returns the bound port."""
+        port = self._server.add_insecure_port(self._address)
+        if port == 0:
+            raise OSError(f"cannot listen on {self._address} for gRPC")
+        await self._update_health()
+        await self._server.start()
+        self._health_task = asyncio.create_task(self._track_health(), name="grpc-health")
+        return port
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING, then stop, letting calls in flight run for grace_s."""
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace_s)
+
+    async def _track_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_UPDATE_INTERVAL_S)
+            await self._update_health()
+
+    async def _update_health(self) -> None:
+        serving = health_pb2.HealthCheckResponse.SERVING
+        status = serving if self._ctx.is_ready() else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", GATEWAY_SERVICE):
+            await self._health.set(service, status)

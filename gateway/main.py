@@ -1,0 +1,258 @@
+"""`pdserve gateway`: the gateway process.
+
+Its life: parse the config → load the tokenizer → poll the nodes → serve REST and gRPC →
+wait for SIGTERM/SIGINT → drain (refuse new requests, let those in flight finish) → stop
+the servers and close the node channels, whatever happened, in `finally`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import uvicorn
+
+from engine.tokenizer import Tokenizer
+from gateway.admission import Admission
+from gateway.config import GatewayConfig, parse_address_list
+from gateway.context import GatewayContext
+from gateway.generation import Generator
+from gateway.grpc_front import GrpcFront
+from gateway.logprobs import TokenTexts
+from gateway.registry import NodeRegistry
+from gateway.router import Router
+from gateway.server import build_app
+
+logger = logging.getLogger("gateway")
+
+_SERVER_STOP_GRACE_S = 1
+DEFAULT_LOG_LEVEL = "INFO"
+"""After the drain, how long the servers give calls still open before cutting them."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The gateway's flags (vLLM's names where the meaning matches)."""
+    parser.add_argument(
+        "--model", required=True, help="model directory: tokenizer and chat template source"
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients must name in requests (default: --model exactly as given)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="OpenAI REST port")
+    parser.add_argument(
+        "--grpc-port", type=int, default=50051, help="public gRPC port (0 disables the gRPC front)"
+    )
+    parser.add_argument(
+        "--decode-nodes", required=True, help="decode node addresses, host:port,host:port,..."
+    )
+    parser.add_argument(
+        "--prefill-nodes",
+        default="",
+        help="prefill node addresses, host:port,... (empty: decode nodes prefill locally)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest prompt + output accepted (default: the smallest the decode nodes report)",
+    )
+    parser.add_argument(
+        "--max-num-requests",
+        type=int,
+        default=1024,
+        help="requests in flight at once; beyond this, 429 with Retry-After",
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="deadline of one request, arrival to last token (seconds)",
+    )
+    parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long requests in flight may take to finish (seconds)",
+    )
+    # SUPPRESS: under `pdserve gateway` the top-level --log-level must not be overwritten by
+    # this sub-command's default.
+    parser.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        help=f"logging level (DEBUG, INFO, ...; default {DEFAULT_LOG_LEVEL})",
+    )
+
+
+def _log_level(args: argparse.Namespace) -> str:
+    return getattr(args, "log_level", DEFAULT_LOG_LEVEL)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(
+        model=args.model,
+        served_model_name=args.served_model_name or args.model,
+        decode_nodes=parse_address_list(args.decode_nodes),
+        prefill_nodes=parse_address_list(args.prefill_nodes),
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port or None,
+        max_model_len=args.max_model_len,
+        max_num_requests=args.max_num_requests,
+        request_timeout_s=args.request_timeout_s,
+        drain_timeout_s=args.drain_timeout_s,
+        log_level=_log_level(args),
+    )
+
+
+@dataclass(frozen=True)
+class Listening:
+    """Where the gateway ended up listening (ports chosen by the OS when 0 was asked for)."""
+
+    rest_port: int
+    grpc_port: int | None
+
+
+class _UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: serve() owns SIGTERM/SIGINT and drains first."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class RestServer:
+    """uvicorn serving the FastAPI app on a socket bound here (a bind error is an OSError
+    for the caller, not uvicorn's sys.exit)."""
+
+    def __init__(self, app: object, host: str, port: int, log_level: str) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.port: int = self._socket.getsockname()[1]
+        config = uvicorn.Config(
+            app,  # type: ignore[arg-type]
+            log_config=None,  # keep the process's logging
+            log_level=log_level.lower(),
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=_SERVER_STOP_GRACE_S,
+        )
+        self._server = _UvicornServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+                raise RuntimeError("the REST server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None and not self._task.done():
+            await self._task
+        self._socket.close()
+
+
+async def serve(
+    config: GatewayConfig,
+    stop: asyncio.Event,
+    on_listening: Callable[[Listening], None] | None = None,
+) -> None:
+    """Run the gateway until stop is set, then drain and shut down."""
+    tokenizer = Tokenizer.from_pretrained(config.model)
+    registry = NodeRegistry(
+        config.decode_nodes, config.prefill_nodes, config.poll_interval_s, config.poll_timeout_s
+    )
+    router = Router(registry)
+    admission = Admission(config.max_num_requests)
+    ctx = GatewayContext(
+        config=config,
+        tokenizer=tokenizer,
+        registry=registry,
+        generator=Generator(tokenizer, registry, router),
+        admission=admission,
+        token_texts=TokenTexts(tokenizer),
+    )
+    rest: RestServer | None = None
+    grpc_front: GrpcFront | None = None
+    try:
+        await registry.start()
+        rest = RestServer(build_app(ctx), config.host, config.port, config.log_level)
+        await rest.start()
+        grpc_port = None
+        if config.grpc_port is not None:
+            grpc_front = GrpcFront(ctx, config.host, config.grpc_port)
+            grpc_port = await grpc_front.start()
+        logger.info(
+            "gateway for %r on %s: REST port %d, gRPC port %s; decode nodes %s, prefill nodes %s",
+            config.served_model_name,
+            config.host,
+            rest.port,
+            grpc_port,
+            ",".join(config.decode_nodes),
+            ",".join(config.prefill_nodes) or "none",
+        )
+        if on_listening is not None:
+            on_listening(Listening(rest.port, grpc_port))
+        await stop.wait()
+        logger.info("draining %d requests in flight", admission.num_in_flight)
+        if not await admission.drain(config.drain_timeout_s):
+            logger.warning("%d requests still running after the drain", admission.num_in_flight)
+    finally:
+        if grpc_front is not None:
+            await grpc_front.stop(_SERVER_STOP_GRACE_S)
+        if rest is not None:
+            await rest.stop()
+        await registry.close()
+        logger.info("gateway stopped")
+
+
+async def _serve_until_signalled(config: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(config, stop)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the gateway from parsed flags until SIGTERM/SIGINT; the process exit code."""
+    try:
+        config = config_from_args(args)
+        logging.getLogger().setLevel(config.log_level.upper())
+        asyncio.run(_serve_until_signalled(config))
+    except (ValueError, OSError) as exc:
+        logger.error("%s", exc)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="gateway", description="pdserve gateway: OpenAI REST + gRPC over decode nodes"
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=DEFAULT_LOG_LEVEL,  # run() applies --log-level once it is validated
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Sampling parameters: from an OpenAI request to the wire's SamplingParams, range checks for
+the gRPC front, and the max_tokens that fits max_model_len."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gateway.errors import ApiError
+from gateway.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingRequest
+from pdserve.v1 import common_pb2
+
+_OPTIONAL_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+)
+
+# Field -> (allowed, what the message says); checked only when the field is set.
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "temperature": (lambda v: 0 <= v <= 2, "in [0, 2]"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= -1, ">= -1"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "repetition_penalty": (lambda v: v > 0, "> 0"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+}
+
+
+def to_sampling_params(
+    request: SamplingRequest, max_tokens: int, logprobs: int | None
+) -> common_pb2.SamplingParams:
+    """The wire parameters of a validated OpenAI request (unset fields stay unset, so the
+    engine's defaults apply)."""
+    params = common_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        min_tokens=request.min_tokens,
+        stop_token_ids=request.stop_token_ids or [],
+        stop=request.stop_strings,
+        ignore_eos=request.ignore_eos,
+        skip_special_tokens=request.skip_special_tokens,
+    )
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            setattr(params, name, value)
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params
+
+
+def check_sampling_params(params: common_pb2.SamplingParams) -> None:
+    """Raise a 400 naming the first field out of range (requests from the gRPC front; REST
+    requests were checked field by field when parsed)."""
+    for name, (allowed, expected) in _RANGES.items():
+        if params.HasField(name) and not allowed(getattr(params, name)):
+            raise ApiError.bad_request(
+                f"{name} must be {expected}, got {getattr(params, name)}", name
+            )
+    if params.min_tokens < 0:
+        raise ApiError.bad_request(
+            f"min_tokens must be >= 0, got {params.min_tokens}", "min_tokens"
+        )
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise ApiError.bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
+    if any(t < 0 for t in params.stop_token_ids):
+        raise ApiError.bad_request("stop_token_ids must be >= 0", "stop_token_ids")
+
+
+def fit_max_tokens(
+    requested: int | None, num_prompt_tokens: int, max_model_len: int, prompt_param: str
+) -> int:
+    """requested, checked against max_model_len; None means all the room the prompt leaves."""
+    room = max_model_len - num_prompt_tokens
+    max_tokens = room if requested is None else requested
+    if max_tokens < 1 or num_prompt_tokens + max_tokens > max_model_len:
+        raise ApiError.bad_request(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + max(max_tokens, 1)} tokens ({num_prompt_tokens} in "
+            f"the {prompt_param}, {max(max_tokens, 1)} in the completion). Please reduce the "
+            f"length of the {prompt_param} or completion.",
+            prompt_param,
+        )
+    return max_tokens
+
+
+def check_min_tokens(params: common_pb2.SamplingParams) -> None:
+    if params.min_tokens > params.max_tokens:
+        raise ApiError.bad_request(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+            "min_tokens",
+        )

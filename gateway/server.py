@@ -1,0 +1,234 @@
+"""The OpenAI REST front (FastAPI): /v1/models, /v1/completions, /v1/chat/completions and
+/health. Every error has OpenAI's shape; streams are server-sent events ending in [DONE]."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from gateway.admission import Ticket
+from gateway.chat import chat_response, chat_stream, prepare_chat
+from gateway.completions import completion_response, completion_stream, prepare_completion
+from gateway.context import GatewayContext
+from gateway.errors import ApiError
+from gateway.generation import GenerationRequest
+from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.sequence import CompletionDelta
+
+logger = logging.getLogger(__name__)
+
+DISCONNECT_POLL_S = 0.1
+"""How often a non-streaming request checks whether its client is still there."""
+
+Deltas = AsyncIterator[CompletionDelta]
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str | None:
+    """pydantic's error location as OpenAI writes param ("messages.[0].role"): union branch
+    tags (str, list[int], function-after[...]) and the leading "body" are left out."""
+    parts = []
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(f"[{part}]")
+        elif part != "body" and part not in _UNION_TAGS and "[" not in part:
+            parts.append(part)
+    return ".".join(parts) or None
+
+
+def _validation_message(exc: RequestValidationError) -> ApiError:
+    """FastAPI's 422 as OpenAI's 400, naming the first offending field. A field of union type
+    fails once per branch: its messages are joined, and our own checks' messages win."""
+    errors = list(exc.errors())
+    if not errors:
+        return ApiError.bad_request("invalid request")
+    if errors[0].get("type") == "json_invalid":
+        return ApiError.bad_request(f"the request body is not valid JSON: {errors[0]['msg']}")
+    paths = [_param_path(tuple(e.get("loc", ()))) for e in errors]
+    param = paths[0]
+    related = [
+        (path, e)
+        for path, e in zip(paths, errors, strict=True)
+        if param is None or path == param or (path or "").startswith(f"{param}.")
+    ]
+    custom = [(path, e) for path, e in related if e.get("type") == "value_error"]
+    if custom:
+        param, chosen = custom[0][0], [custom[0][1]]
+    else:
+        chosen = [e for path, e in related if path == param]
+    messages = dict.fromkeys(str(e.get("msg", "")).removeprefix("Value error, ") for e in chosen)
+    message = " or ".join(messages)
+    return ApiError.bad_request(f"{param}: {message}" if param else message, param)
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-event stream that, however it ends (finished, client gone, server
+    stopping), closes its sources, which cancels the decode calls, and frees its ticket."""
+
+    def __init__(
+        self,
+        frames: AsyncIterator[str],
+        closers: list[Callable[[], Awaitable[None]]],
+        ticket: Ticket,
+    ) -> None:
+        super().__init__(
+            frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._closers = [self.body_iterator.aclose, *closers]  # type: ignore[union-attr]
+        self._ticket = ticket
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                for close in self._closers:
+                    await close()
+            finally:
+                self._ticket.release()
+
+
+async def _sse_frames(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """`data: {json}` per event, an error event if the request fails, then `data: [DONE]`."""
+    try:
+        async for payload in events:
+            yield f"data: {payload}\n\n"
+    except ApiError as exc:
+        yield f"data: {json.dumps(exc.body())}\n\n"
+    except Exception as exc:  # still end the stream the way clients expect
+        logger.exception("stream failed")
+        yield f"data: {json.dumps(ApiError.internal(repr(exc)).body())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+class RestFront:
+    """Handlers of the REST routes over one GatewayContext."""
+
+    def __init__(self, ctx: GatewayContext) -> None:
+        self.ctx = ctx
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.ctx.is_ready() else 503)
+
+    async def models(self) -> ModelList:
+        ctx = self.ctx
+        card = ModelCard(
+            id=ctx.model_name,
+            created=int(time.time()),
+            root=ctx.config.model,
+            max_model_len=ctx.max_model_len(),
+        )
+        return ModelList(data=[card])
+
+    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
+        ticket = self.ctx.admission.admit()
+        try:
+            request = prepare_completion(self.ctx, body)
+        except BaseException:
+            ticket.release()
+            raise
+        deltas = self.ctx.generator.generate(request)
+        if body.stream:
+            return self._stream(completion_stream(self.ctx, body, request, deltas), deltas, ticket)
+        work = completion_response(self.ctx, body, request, deltas)
+        return await self._respond(raw, request, work, deltas, ticket)
+
+    async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        ticket = self.ctx.admission.admit()
+        try:
+            request = prepare_chat(self.ctx, body)
+        except BaseException:
+            ticket.release()
+            raise
+        deltas = self.ctx.generator.generate(request)
+        if body.stream:
+            return self._stream(chat_stream(self.ctx, body, request, deltas), deltas, ticket)
+        work = chat_response(self.ctx, body, request, deltas)
+        return await self._respond(raw, request, work, deltas, ticket)
+
+    @staticmethod
+    def _stream(events: AsyncIterator[str], deltas: Deltas, ticket: Ticket) -> Response:
+        closers = [events.aclose, deltas.aclose]  # type: ignore[attr-defined]
+        return EventStreamResponse(_sse_frames(events), closers, ticket)
+
+    @staticmethod
+    async def _respond(
+        raw: Request,
+        request: GenerationRequest,
+        work: Coroutine[Any, Any, BaseModel],
+        deltas: Deltas,
+        ticket: Ticket,
+    ) -> Response:
+        """Await work, unless the client goes away first: then cancel it (which cancels the
+        decode calls) and answer no one."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return JSONResponse(task.result().model_dump(mode="json"))
+                if await raw.is_disconnected():
+                    logger.info("client of %s went away; cancelling it", request.request_id)
+                    return Response(status_code=499)
+        finally:
+            try:
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, ApiError):
+                        await task
+                await deltas.aclose()  # type: ignore[attr-defined]
+            finally:
+                ticket.release()
+
+
+def build_app(ctx: GatewayContext) -> FastAPI:
+    """The FastAPI application of the REST front."""
+    app = FastAPI(title="pdserve gateway", docs_url=None, redoc_url=None)
+    front = RestFront(ctx)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = HTTPStatus(exc.status_code)
+        error = ApiError(status, str(exc.detail), "invalid_request_error")
+        return error_response(error)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return error_response(ApiError.internal(f"internal error: {exc!r}"))
+
+    app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/v1/models", front.models, methods=["GET"])
+    app.add_api_route("/v1/completions", front.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
+    return app

@@ -1,0 +1,137 @@
+"""Bad requests get exact status codes in OpenAI's error shape, and do not disturb good ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.gateway.harness import MODEL_NAME, Cluster
+
+TIMEOUT_S = 10.0
+GOOD_COMPLETION = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3}
+GOOD_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+
+
+def completion(**changes: Any) -> dict[str, Any]:
+    return {**GOOD_COMPLETION, **changes}
+
+
+def chat(**changes: Any) -> dict[str, Any]:
+    return {**GOOD_CHAT, **changes}
+
+
+# (path, body, status, param): param is what error.param must be (None: not checked)
+BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"prompt": "hi"}, 400, "model"),
+    ("/v1/completions", completion(max_tokens="5"), 400, "max_tokens"),
+    ("/v1/completions", completion(temperature="hot"), 400, "temperature"),
+    ("/v1/completions", completion(n=1.5), 400, "n"),
+    ("/v1/completions", completion(stream="yes"), 400, "stream"),
+    ("/v1/completions", completion(n=0), 400, "n"),
+    ("/v1/completions", completion(n=17), 400, "n"),
+    ("/v1/completions", completion(max_tokens=0), 400, "max_tokens"),
+    ("/v1/completions", completion(temperature=2.5), 400, "temperature"),
+    ("/v1/completions", completion(top_p=0), 400, "top_p"),
+    ("/v1/completions", completion(top_k=-2), 400, "top_k"),
+    ("/v1/completions", completion(presence_penalty=3), 400, "presence_penalty"),
+    ("/v1/completions", completion(repetition_penalty=0), 400, "repetition_penalty"),
+    ("/v1/completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
+    ("/v1/completions", completion(stop=5), 400, None),
+    ("/v1/completions", completion(logprobs=21), 400, "logprobs"),
+    ("/v1/completions", completion(echo=True), 400, "echo"),
+    ("/v1/completions", completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
+    ("/v1/completions", completion(min_tokens=5, max_tokens=3), 400, "min_tokens"),
+    ("/v1/completions", completion(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    ("/v1/completions", completion(prompt=[]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=[1, 99999]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=["a", "b"]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=[1] * 500, max_tokens=100), 400, "prompt"),
+    ("/v1/completions", completion(model="other"), 404, "model"),
+    ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
+    ("/v1/chat/completions", chat(messages=[{"role": "wizard", "content": "x"}]), 400, None),
+    ("/v1/chat/completions", chat(messages=[{"content": "x"}]), 400, None),
+    (
+        "/v1/chat/completions",
+        chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        None,
+    ),
+    ("/v1/chat/completions", chat(top_logprobs=2), 400, None),
+    ("/v1/chat/completions", chat(top_logprobs=21, logprobs=True), 400, "top_logprobs"),
+    ("/v1/chat/completions", chat(max_completion_tokens=1000), 400, "messages"),
+    ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("/v1/chat/completions", chat(model="other"), 404, "model"),
+]
+
+
+def _send(client: httpx.Client, path: str, body: Any) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return client.post(path, content=content, headers={"Content-Type": "application/json"})
+
+
+def _check_error(response: httpx.Response, status: int, param: str | None) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS)
+def test_bad_request(gw: Cluster, path: str, body: Any, status: int, param: str | None) -> None:
+    with httpx.Client(base_url=gw.base_url, timeout=TIMEOUT_S) as client:
+        _check_error(_send(client, path, body), status, param)
+    assert not any(node.calls for node in gw.decode_nodes)
+
+
+def test_unknown_fields_are_ignored(gw: Cluster) -> None:
+    with httpx.Client(base_url=gw.base_url, timeout=TIMEOUT_S) as client:
+        response = _send(client, "/v1/completions", completion(frobnicate=True, best_of=1))
+    assert response.status_code == 200, response.text
+
+
+def test_unknown_route_is_openai_shaped_404(gw: Cluster) -> None:
+    response = httpx.get(f"{gw.base_url}/v1/nothing", timeout=TIMEOUT_S)
+    _check_error(response, 404, None)
+
+
+def test_mixed_concurrent_good_and_bad(gw: Cluster) -> None:
+    rng = random.Random(0)
+    good = [("/v1/completions", completion(seed=i), 200, None) for i in range(60)] + [
+        ("/v1/chat/completions", chat(stream=True, seed=i), 200, None) for i in range(40)
+    ]
+    bad = [rng.choice(BAD_REQUESTS) for _ in range(100)]
+    cases = good + bad
+    rng.shuffle(cases)
+
+    async def one(client: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await client.post(
+            path, content=content, headers={"Content-Type": "application/json"}
+        )
+
+    async def run_all() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(base_url=gw.base_url, timeout=TIMEOUT_S, limits=limits) as c:
+            return await asyncio.gather(*(one(c, path, body) for path, body, _, _ in cases))
+
+    responses = asyncio.run(asyncio.wait_for(run_all(), 30))
+    for (path, _, status, param), response in zip(cases, responses, strict=True):
+        if status != 200:
+            _check_error(response, status, param)
+            continue
+        assert response.status_code == 200, response.text
+        if path == "/v1/completions":
+            assert response.json()["usage"]["completion_tokens"] == 3
+        else:
+            assert response.text.endswith("data: [DONE]\n\n")
+            assert '"finish_reason":"length"' in response.text
+    assert sum(len(node.calls) for node in gw.decode_nodes) == 100
