@@ -32,9 +32,12 @@ class Stack:
     def node_addresses(self, role: str) -> list[str]:
         return [n["address"] for name, n in self.nodes.items() if name.startswith(role)]
 
-    def load(self, address: str) -> node_pb2.NodeLoad:
-        with grpc.insecure_channel(address) as channel:
-            stub = node_pb2_grpc.DecodeNodeStub(channel)  # GetLoad has the same shape on both
+    def load(self, name: str) -> node_pb2.NodeLoad:
+        with grpc.insecure_channel(self.nodes[name]["address"]) as channel:
+            if name.startswith("prefill"):
+                stub = node_pb2_grpc.PrefillNodeStub(channel)
+            else:
+                stub = node_pb2_grpc.DecodeNodeStub(channel)
             return stub.GetLoad(node_pb2.GetLoadRequest(), timeout=5.0)
 
     def wait_all_blocks_free(self, timeout_s: float = 20.0, skip: tuple[str, ...] = ()) -> None:
@@ -43,10 +46,10 @@ class Stack:
         pending: list[str] = []
         while time.monotonic() < deadline:
             pending = []
-            for name, node in self.nodes.items():
+            for name in self.nodes:
                 if name == "gateway" or name in skip:
                     continue
-                load = self.load(node["address"])
+                load = self.load(name)
                 if load.num_free_blocks != load.num_total_blocks or load.num_running:
                     pending.append(f"{name}: {load.num_free_blocks}/{load.num_total_blocks} free")
             if not pending:

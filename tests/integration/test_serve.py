@@ -240,7 +240,7 @@ def test_client_disconnect_mid_stream_frees_every_block(stack, client):
         stream = client.completions.create(
             model=stack.model,
             prompt=mixed_workload(8, seed=20 + i)[2][0],
-            max_tokens=400,
+            max_tokens=300,
             temperature=0,
             extra_body={"ignore_eos": True},
             stream=True,
