@@ -52,6 +52,11 @@ def test_killing_a_prefill_node_mid_run_loses_no_request(stack, offline):
 def test_killing_a_decode_node_ends_its_requests_within_a_deadline(stack, offline):
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", timeout=DEADLINE_S)
     prompts = [p for p, _ in mixed_workload(12, seed=9)]
+    greedy = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+    wants = {
+        tuple(p): o.outputs[0].text
+        for p, o in zip(prompts, offline.generate(prompts, greedy, use_tqdm=False), strict=True)
+    }
     outcomes: list[str] = []
     lock = threading.Lock()
     first_tokens = threading.Semaphore(0)
@@ -67,11 +72,12 @@ def test_killing_a_decode_node_ends_its_requests_within_a_deadline(stack, offlin
                 stream=True,
             )
             it = iter(stream)
-            next(it)
+            text = "".join(c.choices[0].text for c in [next(it)] if c.choices)
             first_tokens.release()
-            for _ in it:
-                pass
-            outcome = "ok"
+            text += "".join(c.choices[0].text for c in it if c.choices)
+            # resubmitted to the surviving node, greedy output continues exactly
+            want = wants[tuple(prompt)]
+            outcome = "ok" if text == want else f"wrong text: {text!r} != {want!r}"
         except openai.APIError as e:
             first_tokens.release()
             outcome = f"error: {e}"
@@ -90,6 +96,8 @@ def test_killing_a_decode_node_ends_its_requests_within_a_deadline(stack, offlin
         t.join(DEADLINE_S)
     assert not any(t.is_alive() for t in threads), "a request hung after its decode node died"
     assert len(outcomes) == len(prompts) and time.monotonic() - start < DEADLINE_S
+    # each request either continued exactly on the other node or ended with a clear error
+    assert all(o == "ok" or o.startswith("error: ") for o in outcomes), outcomes
     # the stack keeps serving through the surviving decode node
     p = SamplingParams(max_tokens=6, temperature=0.0)
     ids, _ = grpc_generate(stack.grpc_address, stack.model, prompts[0], p)
