@@ -1,0 +1,184 @@
+"""Decode-side bookkeeping shared by every transport: ExpectedTransfers (the transfers a
+receiver expects), BaseReceiver (a KVReceiver built on it) and ScratchBuffer.
+
+A transport reads a message's header, asks ``route()`` whether to keep the payload, reads
+the payload (into a real buffer, or discards it), then calls ``deliver()``. Everything runs
+on the receiver's event loop, so no locks are needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvtransfer.transport import KVReceiver, KVTransferError, OnBlocks, TransferStats
+from kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
+
+logger = logging.getLogger(__name__)
+
+
+class Route(enum.Enum):
+    """What a transport should do with the payload of a message (also the TCP ack status)."""
+
+    ACCEPT = 0
+    """Read it and deliver() it."""
+    DROP = 1
+    """Unknown or cancelled transfer: read and discard."""
+    REJECT = 2
+    """Known transfer, wrong layout or block range: read and discard; the transfer failed."""
+
+
+@dataclass
+class _Transfer:
+    layout: LayoutSignature
+    num_blocks: int
+    on_blocks: OnBlocks
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Exception | None = None
+    received_blocks: int = 0
+    received_bytes: int = 0
+    num_messages: int = 0
+    first_arrival_s: float | None = None
+    last_arrival_s: float = 0.0
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
+
+class ExpectedTransfers:
+    """transfer id -> progress of a transfer registered by expect() and not yet waited."""
+
+    def __init__(self) -> None:
+        self._transfers: dict[str, _Transfer] = {}
+        self._closed = False
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def expect(
+        self, transfer_id: str, layout: LayoutSignature, num_blocks: int, on_blocks: OnBlocks
+    ) -> None:
+        if self._closed:
+            raise KVTransferError("receiver is closed")
+        if transfer_id in self._transfers:
+            raise ValueError(f"transfer {transfer_id!r} is already expected")
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._transfers[transfer_id] = _Transfer(layout, num_blocks, on_blocks)
+
+    def route(self, header: TransferHeader) -> Route:
+        """Decide the fate of a message whose header just arrived; a REJECT fails its transfer."""
+        transfer = self._transfers.get(header.transfer_id)
+        if transfer is None or transfer.done.is_set():
+            logger.debug("dropping message for unknown transfer %s", header.transfer_id)
+            return Route.DROP
+        if transfer.first_arrival_s is None:
+            transfer.first_arrival_s = time.perf_counter()
+        try:
+            transfer.layout.check(header.layout)
+        except KVLayoutMismatch as e:
+            logger.warning("transfer %s: %s", header.transfer_id, e)
+            transfer.fail(e)
+            return Route.REJECT
+        end = header.first_block + header.num_blocks
+        if end > transfer.num_blocks:
+            transfer.fail(
+                KVTransferError(
+                    f"transfer {header.transfer_id}: blocks [{header.first_block}, {end}) "
+                    f"outside the expected [0, {transfer.num_blocks})"
+                )
+            )
+            return Route.REJECT
+        return Route.ACCEPT
+
+    def deliver(self, header: TransferHeader, payload: np.ndarray) -> None:
+        """Hand an ACCEPTed message's payload to on_blocks and count it."""
+        transfer = self._transfers.get(header.transfer_id)
+        if transfer is None or transfer.done.is_set():
+            return  # cancelled while its payload was in flight
+        try:
+            transfer.on_blocks(header, payload)
+        except Exception as e:
+            logger.exception("on_blocks of transfer %s raised", header.transfer_id)
+            transfer.fail(KVTransferError(f"on_blocks raised {e!r}"))
+            return
+        transfer.received_blocks += header.num_blocks
+        transfer.received_bytes += header.payload_bytes
+        transfer.num_messages += 1
+        transfer.last_arrival_s = time.perf_counter()
+        if transfer.received_blocks >= transfer.num_blocks:
+            transfer.done.set()
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> TransferStats:
+        transfer = self._transfers.get(transfer_id)
+        if transfer is None:
+            raise KeyError(f"transfer {transfer_id!r} is not expected")
+        try:
+            async with asyncio.timeout(timeout_s):
+                await transfer.done.wait()
+        except TimeoutError as e:
+            raise TimeoutError(
+                f"transfer {transfer_id}: {transfer.received_blocks}/{transfer.num_blocks} "
+                f"blocks after {timeout_s}s"
+            ) from e
+        finally:
+            # Only pop our own entry: after a cancel() the id may have been expected anew.
+            if self._transfers.get(transfer_id) is transfer:
+                del self._transfers[transfer_id]
+        if transfer.error is not None:
+            raise transfer.error
+        start_s = transfer.first_arrival_s or transfer.last_arrival_s
+        return TransferStats(
+            transfer.received_bytes, transfer.last_arrival_s - start_s, transfer.num_messages
+        )
+
+    def cancel(self, transfer_id: str) -> None:
+        transfer = self._transfers.pop(transfer_id, None)
+        if transfer is not None:
+            transfer.fail(KVTransferError(f"transfer {transfer_id} cancelled"))
+
+    def close(self) -> None:
+        """Fail every pending transfer; later expect() calls raise."""
+        self._closed = True
+        for transfer_id in list(self._transfers):
+            transfer = self._transfers.pop(transfer_id)
+            transfer.fail(KVTransferError(f"receiver closed during transfer {transfer_id}"))
+
+
+class ScratchBuffer:
+    """A reusable uint8 buffer that grows to the largest size asked for."""
+
+    def __init__(self) -> None:
+        self._buffer = np.empty(0, dtype=np.uint8)
+
+    def get(self, num_bytes: int) -> np.ndarray:
+        if self._buffer.nbytes < num_bytes:
+            self._buffer = np.empty(num_bytes, dtype=np.uint8)
+        return self._buffer[:num_bytes]
+
+
+class BaseReceiver(KVReceiver):
+    """A KVReceiver whose expect / wait / cancel go through an ExpectedTransfers table;
+    transports subclass it and only move bytes."""
+
+    def __init__(self) -> None:
+        self.address = ""
+        self.expected = ExpectedTransfers()
+
+    def expect(
+        self, transfer_id: str, layout: LayoutSignature, num_blocks: int, on_blocks: OnBlocks
+    ) -> None:
+        self.expected.expect(transfer_id, layout, num_blocks, on_blocks)
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> TransferStats:
+        return await self.expected.wait(transfer_id, timeout_s)
+
+    def cancel(self, transfer_id: str) -> None:
+        self.expected.cancel(transfer_id)

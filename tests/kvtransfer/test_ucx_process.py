@@ -1,0 +1,56 @@
+"""A process that used the UCX transport exits on its own (ucxx's notifier thread is not a
+daemon thread; the transport must stop it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvtransfer.transport import available_transports
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif("ucx" not in available_transports(), reason="ucxx does not import"),
+]
+
+SCRIPT = textwrap.dedent(
+    """
+    import asyncio
+    import numpy as np
+    from kvtransfer.transport import make_receiver, make_sender
+    from kvtransfer.wire import LayoutSignature, TransferHeader
+
+    async def main():
+        layout = LayoutSignature("m", "float32", 1, 1, 4, 4)
+        receiver, sender = make_receiver("ucx"), make_sender("ucx")
+        await receiver.start()
+        receiver.expect("t", layout, 1, lambda header, payload: None)
+        header = TransferHeader("t", layout, 0, 1, layout.block_bytes)
+        await sender.send(receiver.address, header, np.zeros(layout.block_bytes, np.uint8))
+        await receiver.wait("t", timeout_s=5)
+        await sender.close()
+        await receiver.close()
+
+    asyncio.run(main())
+    print("main returned", flush=True)
+    """
+)
+
+
+def test_process_exits_without_an_explicit_ucx_shutdown():
+    repo_root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        cwd=repo_root,
+        env={**os.environ, "PYTHONPATH": str(repo_root), "UCX_WARN_UNUSED_ENV_VARS": "n"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert "main returned" in result.stdout, result.stderr
+    assert result.returncode == 0, result.stderr
