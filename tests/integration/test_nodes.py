@@ -201,3 +201,22 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tiny_llama, tmp_path):
         assert "decode node stopped" in proc.log()
     finally:
         proc.stop()
+
+
+def test_blocks_the_decode_node_has_cached_are_not_transferred(nodes, offline):
+    _, addr, _ = nodes
+    rng = random.Random(77)
+    shared = [rng.randrange(3, 2000) for _ in range(3 * BLOCK)]
+    first = shared + [rng.randrange(3, 2000) for _ in range(20)]
+    second = shared + [rng.randrange(3, 2000) for _ in range(40)]
+    p = SamplingParams(max_tokens=4, temperature=0.0)
+    block_bytes = 4 * 2 * 2 * BLOCK * 64 * 4
+    chunks = generate(addr["decode"], "warm-shared", first, p, [addr["prefill"]])
+    assert chunks[0].kv_transfer_bytes == -(-len(first) // BLOCK) * block_bytes
+    chunks = generate(addr["decode"], "reuse-shared", second, p, [addr["prefill"]])
+    # the 3 shared blocks are in the decode node's own prefix cache: only the rest crosses
+    assert chunks[0].prefilled_by == f"remote:{addr['prefill']}"
+    assert chunks[0].kv_transfer_bytes == (-(-len(second) // BLOCK) - 3) * block_bytes
+    assert chunks[0].num_cached_tokens >= 3 * BLOCK
+    want = offline.generate([second], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == want
