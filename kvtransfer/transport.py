@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -158,6 +159,8 @@ def available_transports() -> list[str]:
 def _ucxx_imports() -> bool:
     if importlib.util.find_spec("ucxx") is None:
         return False
+    # ucxx sets UCX_* variables some UCX builds do not know; do not warn about them at start-up
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     try:
         import ucxx  # noqa: F401
     except Exception:  # a broken native library raises OSError/ImportError/RuntimeError
