@@ -111,6 +111,7 @@ def node_load(
         accepting=accepting,
         generation_tokens_per_s=loop.generation_tokens_per_s(),
         kv_address=kv_address,
+        num_preemptions=scheduler.num_preemptions,
     )
 
 

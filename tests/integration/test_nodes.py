@@ -220,3 +220,47 @@ def test_blocks_the_decode_node_has_cached_are_not_transferred(nodes, offline):
     assert chunks[0].num_cached_tokens >= 3 * BLOCK
     want = offline.generate([second], p, use_tqdm=False)[0].outputs[0].token_ids
     assert [t for c in chunks for t in c.token_ids] == want
+
+
+def test_layout_mismatch_is_refused_and_preemption_recomputes_locally(
+    tiny_llama, tmp_path, offline
+):
+    """A prefill node with another block size is refused and the next candidate delivers; a
+    decode node short of blocks preempts remote-prefilled requests and resumes them by local
+    recompute; the output stays exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bad_port, good_port, decode_port = free_port(), free_port(), free_port()
+    common = ["--model", tiny_llama, "--dtype", "float32", "--kv-transport", "tcp"]
+    procs = [
+        Proc(["prefill", *common, "--block-size", "32", "--num-blocks", "64",
+              "--port", str(bad_port)], tmp_path / "bad.log"),
+        Proc(["prefill", *common, "--block-size", str(BLOCK), "--num-blocks", "64",
+              "--port", str(good_port)], tmp_path / "good.log"),
+        Proc(["decode", *common, "--block-size", str(BLOCK), "--num-blocks", "24",
+              "--remote-prefill-min-tokens", "8", "--port", str(decode_port)],
+             tmp_path / "decode.log"),
+    ]  # fmt: skip
+    try:
+        bad, good, d_addr = (f"127.0.0.1:{p}" for p in (bad_port, good_port, decode_port))
+        for proc, address in zip(procs, (bad, good, d_addr), strict=True):
+            wait_grpc_serving(address, proc)
+        work = [w[:60] for w in prompts(8, seed=31)]
+        p = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        with ThreadPoolExecutor(8) as pool:
+            futures = [
+                pool.submit(generate, d_addr, f"pre-{i}", w, p, [bad, good])
+                for i, w in enumerate(work)
+            ]
+            served = [f.result(timeout=TIMEOUT_S) for f in futures]
+        for w, chunks in zip(work, served, strict=True):
+            assert chunks[0].prefilled_by == f"remote:{good}"
+            want = offline.generate([w], p, use_tqdm=False)[0].outputs[0].token_ids
+            assert [t for c in chunks for t in c.token_ids] == want
+        assert "block_size: 32 != 16" in procs[2].log() or "block_size" in procs[2].log()
+        final = load(d_addr)
+        assert final.num_preemptions > 0  # 23 blocks cannot hold 8 x 120 tokens at once
+        assert final.num_free_blocks == final.num_total_blocks
+    finally:
+        for proc in procs:
+            proc.stop()
