@@ -442,9 +442,9 @@ def measure_decode(llm, batch: int, args, token_range, facts) -> dict[str, Any]:
     shapes: list[tuple[int, int]] = []  # (num chunks, num tokens) of every execute
     orig_execute = runner.execute
 
-    def execute(output, rows):
+    def execute(output, rows, *args):
         shapes.append((len(output.chunks), sum(len(c.token_ids) for c in output.chunks)))
-        return orig_execute(output, rows)
+        return orig_execute(output, rows, *args)
 
     fwd = _Timer(model.forward)
     logits = _Timer(model.compute_logits)

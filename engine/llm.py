@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.llm_engine import LLMEngine
 from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
 from engine.tokenizer import IncrementalDetokenizer
@@ -24,6 +25,10 @@ class LLM:
 
     >>> llm = LLM(model="models/demo")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
+
+    speculative_config (a dict with vLLM's keys, or a SpeculativeConfig) turns on speculative
+    decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    or {"method": "draft_model", "model": "models/tiny", "num_speculative_tokens": 3}.
     """
 
     def __init__(
@@ -40,6 +45,7 @@ class LLM:
         seed: int = 0,
         policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
     ) -> None:
         self.engine = LLMEngine(
             ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
@@ -54,6 +60,11 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 policy=policy,  # type: ignore[arg-type]
                 enable_chunked_prefill=enable_chunked_prefill,
+            ),
+            speculative_config=(
+                SpeculativeConfig.from_dict(speculative_config)
+                if isinstance(speculative_config, Mapping)
+                else speculative_config
             ),
         )
         self._ids = itertools.count()

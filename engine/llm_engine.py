@@ -1,7 +1,9 @@
 """The engine loop: accepts requests at any time, steps the scheduler and the model runner.
 
 One step: schedule() -> model_runner.execute() -> update_from_output() -> updates. This is
-the loop the offline LLM drives and the node services will drive from their own thread.
+the loop the offline LLM drives and the node services will drive from their own thread. With
+speculative decoding, drafts are proposed before schedule() and folded back after the update
+(engine/spec_decode/speculator.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.kv_cache.manager import KVCacheManager
 from engine.model_runner import ModelRunner, kv_block_bytes
 from engine.models.loader import ModelArch, load_model
@@ -26,6 +28,8 @@ from engine.scheduler import (
     Scheduler,
     SchedulerOutput,
 )
+from engine.spec_decode.metrics import SpecDecodeStats
+from engine.spec_decode.speculator import Speculator, build_proposer
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,8 @@ class EngineKVConnector(Protocol):
 
 
 class LLMEngine:
-    """Owns the tokenizer, scheduler (with its KV cache manager) and model runner."""
+    """Owns the tokenizer, scheduler (with its KV cache manager), model runner and, when
+    speculative_config is given, the speculator (proposer, policy, spec_stats)."""
 
     def __init__(
         self,
@@ -67,6 +72,7 @@ class LLMEngine:
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         kv_connector: EngineKVConnector | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
@@ -94,6 +100,7 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self.kv_connector = kv_connector
+        self.speculator = self._speculator(speculative_config)
         self._seed_rng = random.Random(model_config.seed)
         logger.info(
             "engine ready in %.1fs: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
@@ -129,9 +136,28 @@ class LLMEngine:
             )
         return num_blocks
 
+    def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
+        if config is None:
+            return None
+        proposer = build_proposer(
+            config,
+            self.model_config.dtype,
+            self.vocab_size,
+            self.max_model_len,
+            self.num_blocks,
+            self.cache_config.block_size,
+        )
+        logger.info("speculative decoding: %s", config)
+        return Speculator(config, proposer, self.max_model_len)
+
     @property
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
+
+    @property
+    def spec_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding counters (None without speculative_config)."""
+        return self.speculator.stats if self.speculator is not None else None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -217,12 +243,19 @@ class LLMEngine:
     def step(self) -> list[RequestUpdate]:
         """Run one scheduler step; returns the requests that got new tokens."""
         start = time.perf_counter()
+        spec = self.speculator
+        if spec is not None:
+            spec.propose(self.scheduler.running)
         output = self.scheduler.schedule()
+        if spec is not None:
+            spec.after_schedule(output)
         if output.remote_prefills:
             if self.kv_connector is None:
                 raise RuntimeError("remote prefill requested but the engine has no KV connector")
             self.kv_connector.start_remote_prefills(output.remote_prefills)
         if output.is_empty:
+            if spec is not None:
+                spec.after_step(output, {}, [])
             return []
         requests = self.scheduler.requests
         rows = {
@@ -240,11 +273,14 @@ class LLMEngine:
             for c in output.chunks
         )
         execute_start = time.perf_counter()
-        sampled = self.runner.execute(output, rows)
+        draft_probs = spec.draft_probs if spec is not None else None
+        sampled = self.runner.execute(output, rows, draft_probs)
         self.stats.execute_time_s += time.perf_counter() - execute_start
         if self.kv_connector is not None:
             self.kv_connector.after_execute(output)
         updates = self.scheduler.update_from_output(output, sampled)
+        if spec is not None:
+            spec.after_step(output, sampled, updates)
         self.stats.num_steps += 1
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
         self.stats.step_time_s += time.perf_counter() - start

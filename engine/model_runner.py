@@ -1,12 +1,16 @@
 """SchedulerOutput -> flattened batch tensors -> one forward -> logits -> sampled tokens.
 
-The model runner owns the KV cache tensors and knows nothing of request policy: it computes the
-chunks it is given and samples where a chunk asks for it, with each request's SampleRow.
+PagedModel is a model over its own paged KV cache: one flattened forward over a list of chunks,
+logits at the positions they ask for (the target and a speculative draft model each own one).
+The ModelRunner is the target's: it knows nothing of request policy, computes the chunks it is
+given and samples where a chunk asks for it, with each request's SampleRow, or verifies the
+chunk's speculative tokens with the rejection sampler.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -16,6 +20,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import ModelArch
 from engine.sampler import Sampler, SampleRow, SamplingMetadata
 from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
+from engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
 from kernels.cpu import cpu_ops
 
 
@@ -35,8 +40,17 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return raw.view(dtype).view(shape)
 
 
-class ModelRunner:
-    """Runs the model over a paged KV cache of num_blocks blocks."""
+def num_logit_positions(chunk: ScheduledChunk) -> int:
+    """Trailing positions of a chunk whose logits are needed: the last known token's (to
+    sample) plus one per speculative token (to verify it); none for a chunk that does not
+    reach the end of its known tokens."""
+    return 1 + chunk.num_spec_tokens if chunk.samples else 0
+
+
+class PagedModel:
+    """A model over its own paged KV cache of num_blocks blocks: one flattened forward per
+    call over a list of chunks, returning logits at the positions they ask for. The target's
+    ModelRunner and a speculative draft model each own one."""
 
     def __init__(
         self,
@@ -45,7 +59,6 @@ class ModelRunner:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
-        use_cpu_kernels: bool = True,
     ) -> None:
         self.model = model
         self.arch = arch
@@ -55,41 +68,33 @@ class ModelRunner:
             (arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
-        self.sampler = Sampler()
-        ops = cpu_ops() if use_cpu_kernels else None
-        use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
         self.forward_time_s = 0.0
         """Time spent in the model forward (transformer layers), summed over steps."""
 
     @torch.inference_mode()
-    def execute(
-        self, output: SchedulerOutput, rows: dict[str, SampleRow]
-    ) -> dict[str, SampledTokens]:
-        """Compute every chunk; sample one token for each chunk that reaches its end."""
-        chunks = sorted(output.chunks, key=lambda c: len(c.token_ids) > 1)  # decodes first
-        input_ids, positions, meta = self._prepare_inputs(chunks)
+    def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
+        """Compute every chunk (writing its K/V into this cache) in one forward; returns the
+        float32 logits [sum of num_logit_positions, vocab] of each chunk's trailing
+        num_logit_positions(chunk) positions, in chunk order then position order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
+        batch = [chunks[i] for i in order]  # decodes first (engine/attention.py)
+        input_ids, positions, meta = self._prepare_inputs(batch)
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.forward_time_s += time.perf_counter() - start
-        sample_chunks = [c for c in chunks if c.samples]
-        if not sample_chunks:
-            return {}
-        last_index = torch.tensor(self._last_token_indices(chunks), dtype=torch.long)
-        logits = self.model.compute_logits(hidden[last_index])
-        sample_rows = [rows[c.request_id] for c in sample_chunks]
-        sampled = self.sampler(logits, SamplingMetadata.build(sample_rows, logits.shape[-1]))
-        return {
-            c.request_id: SampledTokens([tok], [lp] if lp is not None else None)
-            for c, tok, lp in zip(sample_chunks, sampled.token_ids, sampled.logprobs, strict=True)
-        }
-
-    def _last_token_indices(self, chunks: list[ScheduledChunk]) -> list[int]:
-        indices, offset = [], 0
-        for chunk in chunks:
-            offset += len(chunk.token_ids)
-            if chunk.samples:
-                indices.append(offset - 1)
-        return indices
+        ends = [0] * len(chunks)
+        offset = 0
+        for i in order:
+            offset += len(chunks[i].token_ids)
+            ends[i] = offset
+        index = [
+            p
+            for chunk, end in zip(chunks, ends, strict=True)
+            for p in range(end - num_logit_positions(chunk), end)
+        ]
+        if not index:
+            return hidden.new_zeros((0, self.arch.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(index, dtype=torch.long)])
 
     def _prepare_inputs(
         self, chunks: list[ScheduledChunk]
@@ -137,3 +142,84 @@ class ModelRunner:
         lens = torch.tensor(seq_lens, dtype=torch.long)
         mask = torch.arange(max_blocks * bs).unsqueeze(0) < lens.unsqueeze(1)
         return block_tables, lens, mask[:, None, None, :]
+
+
+class ModelRunner(PagedModel):
+    """The target model: computes a step's chunks in one forward, samples a token for every
+    chunk that reaches its end and verifies the speculative tokens chunks carry."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        arch: ModelArch,
+        dtype: torch.dtype,
+        num_blocks: int,
+        block_size: int,
+        use_cpu_kernels: bool = True,
+    ) -> None:
+        super().__init__(model, arch, dtype, num_blocks, block_size)
+        self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler()
+        ops = cpu_ops() if use_cpu_kernels else None
+        use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        output: SchedulerOutput,
+        rows: Mapping[str, SampleRow],
+        draft_probs: Mapping[str, torch.Tensor] | None = None,
+    ) -> dict[str, SampledTokens]:
+        """Compute every chunk; for each chunk that reaches its end, sample one token with
+        rows[request_id] or, when it carries speculative tokens, verify them and return the
+        accepted ones plus a correction or bonus token. draft_probs[request_id] ([k, V]) is the
+        distribution its proposed tokens were drawn from; absent means one-hot (n-gram)."""
+        logits = self.compute_logits(output.chunks)
+        plain: list[tuple[ScheduledChunk, int]] = []
+        spec: list[tuple[ScheduledChunk, int]] = []
+        offset = 0
+        for chunk in output.chunks:
+            if chunk.samples:
+                (spec if chunk.num_spec_tokens else plain).append((chunk, offset))
+            offset += num_logit_positions(chunk)
+        sampled = self._sample(logits, plain, rows) if plain else {}
+        if spec:
+            sampled.update(self._verify(logits, spec, rows, draft_probs or {}))
+        return sampled
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        chunks: list[tuple[ScheduledChunk, int]],
+        rows: Mapping[str, SampleRow],
+    ) -> dict[str, SampledTokens]:
+        index = torch.tensor([offset for _, offset in chunks], dtype=torch.long)
+        sample_rows = [rows[c.request_id] for c, _ in chunks]
+        out = self.sampler(logits[index], SamplingMetadata.build(sample_rows, logits.shape[-1]))
+        return {
+            c.request_id: SampledTokens([tok], [lp] if lp is not None else None)
+            for (c, _), tok, lp in zip(chunks, out.token_ids, out.logprobs, strict=True)
+        }
+
+    def _verify(
+        self,
+        logits: torch.Tensor,
+        chunks: list[tuple[ScheduledChunk, int]],
+        rows: Mapping[str, SampleRow],
+        draft_probs: Mapping[str, torch.Tensor],
+    ) -> dict[str, SampledTokens]:
+        index: list[int] = []
+        items: list[DraftsToVerify] = []
+        for chunk, offset in chunks:
+            k = chunk.num_spec_tokens  # the scheduler may have verified fewer than proposed
+            index.extend(range(offset, offset + k + 1))
+            probs = draft_probs.get(chunk.request_id)
+            items.append(
+                DraftsToVerify(
+                    rows[chunk.request_id],
+                    chunk.token_ids[-k:],
+                    None if probs is None else probs[:k],
+                )
+            )
+        results = self.rejection_sampler(logits[torch.tensor(index, dtype=torch.long)], items)
+        return {c.request_id: r for (c, _), r in zip(chunks, results, strict=True)}

@@ -18,7 +18,12 @@ from torch import Tensor
 from engine.request import SamplingParams, TokenLogprobs
 
 SAMPLE_STREAM = 0
-"""uniform_noise stream of the sampler's own draws; speculative decoding keys others."""
+"""uniform_noise stream of the sampler's own draws (and of the tokens a rejection sampler
+emits); speculative decoding keys the two below, so that no two kinds of draw share noise."""
+DRAFT_STREAM = 1
+"""uniform_noise stream of a draft model's draws of its speculative tokens."""
+ACCEPT_STREAM = 2
+"""uniform_noise stream of the rejection sampler's acceptance tests."""
 
 
 def _signed(x: int, bits: int) -> int:
@@ -371,13 +376,8 @@ class Sampler:
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         logits = logits.float()
-        raw_logprobs = None
-        if meta.logprob_rows is not None:
-            raw_logprobs = torch.log_softmax(logits[meta.logprob_rows], dim=-1)
         token_ids = self._sample(process_logits(logits, meta), meta)
-        logprobs: list[TokenLogprobs | None] = [None] * meta.num_rows
-        if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, token_ids, meta)
+        logprobs = compute_logprobs(logits, token_ids, meta)
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
     @staticmethod
@@ -388,6 +388,17 @@ class Sampler:
         if meta.all_random:
             return sampled
         return logits.argmax(dim=-1).index_copy_(0, meta.random_rows, sampled)
+
+
+def compute_logprobs(
+    logits: Tensor, token_ids: Tensor, meta: SamplingMetadata
+) -> list[TokenLogprobs | None]:
+    """Per row of the raw logits [N, V]: the logprob and rank of token_ids [N] and the top-N
+    logprobs, for the rows whose SamplingParams ask for logprobs; None for the others."""
+    if meta.logprob_rows is None:
+        return [None] * meta.num_rows
+    raw_logprobs = torch.log_softmax(logits.float()[meta.logprob_rows], dim=-1)
+    return _gather_logprobs(raw_logprobs, token_ids, meta)
 
 
 def _gather_logprobs(

@@ -161,10 +161,12 @@ class Scheduler:
             if num_new == 0:
                 continue
             num_known = min(num_new, request.num_tokens - request.num_computed_tokens)
-            while (
-                self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_new - num_known)
-                is None
-            ):
+            if num_new > num_known and self._reserve_speculative(request, num_known, num_new):
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                continue
+            num_new = num_known
+            while self.kv.allocate_slots(request, num_known) is None:
                 victim = self._pick_victim()  # never None: request itself is running
                 assert victim is not None
                 budget += scheduled.get(victim.request_id, 0)
@@ -175,6 +177,15 @@ class Scheduler:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
         return budget
+
+    def _reserve_speculative(self, request: Request, num_known: int, num_new: int) -> bool:
+        """Reserve slots for a running request's known tokens and its speculative ones. With
+        no room, drop the speculative tokens and return False: they never cost a preemption."""
+        num_spec = num_new - num_known
+        if self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is not None:
+            return True
+        request.spec_token_ids = []
+        return False
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, int], remote: list[RemotePrefill]
@@ -344,6 +355,9 @@ class Scheduler:
             request.num_computed_tokens += num_known + num_accepted_drafts
             request.spec_token_ids = []
             updates.append(self._append_tokens(request, result))
+            if not request.finished:
+                # Rejected drafts' slots: keep no block wholly past the last token's position.
+                self.kv.trim(request.request_id, request.num_tokens)
         return updates
 
     def _append_tokens(self, request: Request, result: SampledTokens) -> RequestUpdate:

@@ -104,9 +104,41 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block the request holds, last block first (evicted first)."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_cached_blocks.pop(request.request_id, None)
+        self.free_request_id(request.request_id)
+
+    def free_request_id(self, request_id: str) -> None:
+        """free() by id, for holders that track their own progress (a draft model)."""
+        blocks = self.req_blocks.pop(request_id, [])
+        self._num_cached_blocks.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the request's trailing blocks that lie wholly past positions [0, num_tokens),
+        last block first: after speculative verification, the blocks that only held rejected
+        drafts' slots. The blocks kept still hold those garbage slots past num_tokens; they
+        are overwritten before anything attends to them. Never frees a cached block (cached
+        blocks are full of computed tokens, all below num_tokens)."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return
+        keep = cdiv(num_tokens, self.block_size)
+        assert keep >= self._num_cached_blocks.get(request_id, 0)
+        if keep < len(blocks):
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
+
+    def allocate_positions(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's block list to cover positions [0, num_tokens), with new blocks
+        only (no prefix caching): for holders that track their own progress (a draft model).
+        False, changing nothing, if the pool cannot supply them."""
+        held = self.req_blocks.setdefault(request_id, [])
+        num_needed = cdiv(num_tokens, self.block_size) - len(held)
+        if num_needed > self.pool.num_free_blocks:
+            if not held:
+                del self.req_blocks[request_id]
+            return False
+        held.extend(self.pool.get_new_blocks(max(num_needed, 0)))
+        return True
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the blocks that will be full once num_tokens tokens are computed."""

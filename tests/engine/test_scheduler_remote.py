@@ -19,9 +19,9 @@ def test_remote_request_reserves_prompt_blocks_without_budget_and_joins_on_arriv
     s.add_request(req("b", 3))
     out, _ = run(s)
     # a's 3 prompt blocks are reserved and no budget is spent on it; b runs locally
-    assert [(p.request_id, p.block_ids, p.num_local_cached_tokens) for p in out.remote_prefills] == [
-        ("a", [1, 2, 3], 0)
-    ]
+    assert [
+        (p.request_id, p.block_ids, p.num_local_cached_tokens) for p in out.remote_prefills
+    ] == [("a", [1, 2, 3], 0)]
     assert sizes(out) == {"b": 3}
     a = s.requests["a"]
     assert a.status is RequestStatus.WAITING_FOR_REMOTE_KV and s.num_awaiting_kv == 1
