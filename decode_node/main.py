@@ -9,9 +9,11 @@ import logging
 
 from decode_node.remote_prefill import RemotePrefiller
 from decode_node.servicer import DecodeServicer
+from decode_node.telemetry import DecodeTelemetry
 from engine.engine_loop import EngineLoop
 from kvtransfer.connector import KVPullConnector, kv_layout
 from kvtransfer.transport import make_receiver
+from pdserve import tracing
 from pdserve.node import (
     NodeServer,
     add_node_args,
@@ -19,8 +21,10 @@ from pdserve.node import (
     drain,
     node_id,
     served_model_name,
+    start_metrics_server,
     stop_event_on_signals,
 )
+from pdserve.node_metrics import NodeMetrics
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -66,17 +70,24 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     stop = stop_event_on_signals(loop)
     model = served_model_name(args)
+    this_node = node_id(args, "decode")
+    tracing.setup("decode", this_node)
     engine = build_engine(args, remote_prefill_min_tokens=args.remote_prefill_min_tokens)
-    engine_loop = EngineLoop(engine, loop)
+    metrics = NodeMetrics(engine, "decode", model, this_node)
+    speculative = getattr(engine, "spec_stats", None) is not None
+    telemetry = DecodeTelemetry(metrics, this_node, speculative)
+    engine_loop = EngineLoop(engine, loop, after_step=telemetry.watcher.after_step)
     receiver = make_receiver(args.kv_transport, host=args.kv_host, port=args.kv_port)
     await receiver.start()
     layout = kv_layout(model, engine.runner.kv_cache, engine.cache_config.block_size)
     prefiller = RemotePrefiller(
-        engine_loop, receiver, layout, args.prefill_timeout_s, args.kv_transfer_timeout_s
+        engine_loop, receiver, layout, args.prefill_timeout_s, args.kv_transfer_timeout_s, metrics
     )
     servicer = DecodeServicer(
-        engine_loop, prefiller, node_id(args, "decode"), model, args.token_timeout_s
+        engine_loop, prefiller, this_node, model, args.token_timeout_s, telemetry
     )
+    metrics_server = start_metrics_server(metrics.registry, args)
+    servicer.metrics_address = metrics_server.address if metrics_server else ""
     engine.kv_connector = KVPullConnector(loop, servicer.on_remote_prefill)
     service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     server = NodeServer(args.host, args.port, [service])
@@ -102,6 +113,9 @@ async def serve(args: argparse.Namespace) -> None:
         engine_loop.stop()
         await prefiller.close()
         await receiver.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()  # flushes this node's last spans
         logger.info("decode node stopped")
 
 

@@ -11,18 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
 
 from engine.engine_loop import EngineLoop
 from engine.scheduler import RemotePrefill, SampledTokens
 from kvtransfer.connector import cdiv, scatter_blocks
 from kvtransfer.transport import KVReceiver, KVTransferError
-from kvtransfer.wire import LayoutSignature, TransferHeader
+from kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
+from pdserve import tracing
 from pdserve.node import GRPC_OPTIONS
+from pdserve.node_metrics import NodeMetrics
 from pdserve.protocol import logprob_from_proto, sampling_params_to_proto
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
@@ -44,6 +49,24 @@ class Tracked:
     transfer_id: str | None = None
     """The transfer currently expected, if any (cancelled before the blocks are freed)."""
     task: asyncio.Task | None = None
+    trace_context: Context | None = None
+    """Parent of the request's remote prefill spans (None when tracing is off)."""
+
+
+@dataclass
+class _Arrivals:
+    """What the decode side sees of one transfer's messages, for its kv.receive span."""
+
+    trace_context: dict[str, str] = field(default_factory=dict)
+    """The W3C context the prefill node put in the first message's header."""
+    first_s: float | None = None
+    last_s: float | None = None
+
+    def note(self, header: TransferHeader) -> None:
+        self.last_s = time.monotonic()
+        if self.first_s is None:
+            self.first_s = self.last_s
+            self.trace_context = header.trace_context
 
 
 class RemotePrefiller:
@@ -56,12 +79,14 @@ class RemotePrefiller:
         layout: LayoutSignature,
         prefill_timeout_s: float,
         transfer_timeout_s: float,
+        metrics: NodeMetrics,
     ) -> None:
         self.engine_loop = engine_loop
         self.receiver = receiver
         self.layout = layout
         self.prefill_timeout_s = prefill_timeout_s
         self.transfer_timeout_s = transfer_timeout_s
+        self.metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
 
     def _stub(self, address: str) -> node_pb2_grpc.PrefillNodeStub:
@@ -86,15 +111,27 @@ class RemotePrefiller:
         """Fill rp's blocks from the first candidate that delivers, else prefill locally."""
         engine = self.engine_loop.engine
         for address in tracked.candidates:
+            span = tracing.start_span(
+                "decode.remote_prefill",
+                tracked.trace_context,
+                SpanKind.CLIENT,
+                {"pdserve.request_id": tracked.request_id, "pdserve.prefill_node": address},
+            )
             try:
-                response, num_bytes = await self._try(address, rp, tracked)
-            except asyncio.CancelledError:
+                response, num_bytes = await self._try(address, rp, tracked, span)
+            except asyncio.CancelledError as e:
                 self._abort_remote(address, tracked)
+                tracing.end_span(span, e)
                 raise
             except (grpc.aio.AioRpcError, KVTransferError, TimeoutError, ValueError) as e:
                 self.cancel_transfer(tracked)
+                tracing.end_span(span, e)
                 logger.warning("%s: prefill on %s failed: %s", tracked.request_id, address, e)
                 continue
+            span.set_attributes(
+                {"pdserve.kv_bytes": num_bytes, "pdserve.cached_tokens": response.num_cached_tokens}
+            )
+            tracing.end_span(span)
             tracked.prefilled_by = f"remote:{address}"
             tracked.kv_bytes = num_bytes
             first = SampledTokens(
@@ -116,7 +153,7 @@ class RemotePrefiller:
             self.engine_loop.publish([update])
 
     async def _try(
-        self, address: str, rp: RemotePrefill, tracked: Tracked
+        self, address: str, rp: RemotePrefill, tracked: Tracked, span: Span
     ) -> tuple[node_pb2.PrefillResponse, int]:
         block_size = self.layout.block_size
         skip = rp.num_local_cached_tokens // block_size
@@ -124,11 +161,13 @@ class RemotePrefiller:
         transfer_id = f"{tracked.request_id}/{uuid.uuid4().hex[:12]}"
         kv_cache = self.engine_loop.engine.runner.kv_cache
         block_ids = rp.block_ids
+        arrivals = _Arrivals()
 
         def on_blocks(header: TransferHeader, payload) -> None:
             # wire block j is the request's block skip + j (the receiver checked the range)
             start = skip + header.first_block
             scatter_blocks(kv_cache, block_ids[start : start + header.num_blocks], payload)
+            arrivals.note(header)
 
         self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
         tracked.transfer_id = transfer_id
@@ -145,10 +184,36 @@ class RemotePrefiller:
                 layout=layout_to_proto(self.layout),
             ),
         )
-        response = await self._stub(address).Prefill(request, timeout=self.prefill_timeout_s)
-        stats = await self.receiver.wait(transfer_id, timeout_s=self.transfer_timeout_s)
+        metadata = tracing.grpc_metadata(tracing.context_of(span))
+        call = self._stub(address).Prefill(
+            request, timeout=self.prefill_timeout_s, metadata=metadata
+        )
+        response = await call
+        try:
+            stats = await self.receiver.wait(transfer_id, timeout_s=self.transfer_timeout_s)
+        except (KVTransferError, TimeoutError, KVLayoutMismatch):
+            self.metrics.transfer_failed()
+            raise
         tracked.transfer_id = None
+        self.metrics.observe_transfer(stats)
+        self._record_receive(arrivals, span, transfer_id, stats.bytes, stats.num_messages)
         return response, stats.bytes
+
+    @staticmethod
+    def _record_receive(
+        arrivals: _Arrivals, span: Span, transfer_id: str, num_bytes: int, num_messages: int
+    ) -> None:
+        """kv.receive, under the prefill node's span that the KV header names (else under the
+        Prefill call): first message to last."""
+        if not span.is_recording() or arrivals.first_s is None or arrivals.last_s is None:
+            return
+        parent = tracing.extract(arrivals.trace_context) or tracing.context_of(span)
+        attributes = {
+            "pdserve.transfer_id": transfer_id,
+            "pdserve.kv_bytes": num_bytes,
+            "pdserve.kv_messages": num_messages,
+        }
+        tracing.record_span("kv.receive", parent, arrivals.first_s, arrivals.last_s, attributes)
 
     def _abort_remote(self, address: str, tracked: Tracked) -> None:
         """The request went away mid-prefill: stop receiving and tell the prefill node."""

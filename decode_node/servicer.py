@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -10,8 +11,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_node.remote_prefill import RemotePrefiller, Tracked
-from engine.engine_loop import EngineLoop
+from decode_node.telemetry import DecodeRequestTelemetry, DecodeTelemetry
+from engine.engine_loop import EngineLoop, RequestStream
+from engine.llm_engine import LLMEngine
 from engine.scheduler import RemotePrefill, RequestUpdate
+from pdserve import tracing
 from pdserve.node import node_load
 from pdserve.protocol import finish_reason_to_proto, logprob_to_proto, sampling_params_from_proto
 from pdserve.v1 import node_pb2, node_pb2_grpc
@@ -29,13 +33,17 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         node_id: str,
         model: str,
         token_timeout_s: float,
+        telemetry: DecodeTelemetry,
     ) -> None:
         self.loop = engine_loop
         self.prefiller = prefiller
         self.node_id = node_id
         self.model = model
         self.token_timeout_s = token_timeout_s
+        self.telemetry = telemetry
         self.accepting = True
+        self.metrics_address = ""
+        """host:port of this node's /metrics, reported in NodeLoad ("" = off)."""
         self.tracked: dict[str, Tracked] = {}
         self._seeds = random.Random()
 
@@ -65,41 +73,70 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         prompt = list(request.prompt_token_ids)
         candidates = list(request.prefill_candidates) if self.prefiller else []
+        observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
         tracked = Tracked(rid, prompt, params, seed, request.cache_salt, candidates)
+        tracked.trace_context = observed.context
         stream = self.loop.open_stream(rid)
         self.tracked[rid] = tracked
-        finished = False
-        try:
-            await self.loop.call(
-                lambda e: e.add_request(
-                    rid,
-                    prompt,
-                    params,
-                    priority=request.priority,
-                    cache_salt=request.cache_salt or None,
-                    seed=seed,
-                    wants_remote_prefill=bool(candidates),
-                )
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(
+                rid,
+                prompt,
+                params,
+                priority=request.priority,
+                cache_salt=request.cache_salt or None,
+                seed=seed,
+                wants_remote_prefill=bool(candidates),
             )
+            self.telemetry.watcher.watch(rid, observed.times)
+
+        try:
+            await self.loop.call(add)
         except ValueError as e:
             self.tracked.pop(rid, None)
             self.loop.close_stream(rid)
+            tracing.end_span(observed.span, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        # aclosing: a caller that leaves ends _stream (and aborts the request) at once.
+        async with contextlib.aclosing(
+            self._stream(rid, stream, tracked, observed, context)
+        ) as out:
+            async for chunk in out:
+                yield chunk
+
+    async def _stream(
+        self,
+        rid: str,
+        stream: RequestStream,
+        tracked: Tracked,
+        observed: DecodeRequestTelemetry,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[node_pb2.TokenChunk]:
+        """The request's chunks until it finishes; aborts it if the caller leaves first."""
+        finished_reason: str | None = None
+        error: BaseException | None = None
         try:
             first = True
-            while not finished:
+            while finished_reason is None:
                 update = await stream.get(self.token_timeout_s)
-                finished = update.finished
+                observed.on_update(update)
+                if update.finished:
+                    finished_reason = update.status.finish_reason
                 yield self._chunk(update, tracked, first)
                 first = False
-        except TimeoutError:
+        except TimeoutError as e:
+            error = e
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the deadline")
         except RuntimeError as e:  # the engine stopped or failed
+            error = e
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         finally:
-            if not finished:
+            if finished_reason is None:
                 self.abort(rid)
             self.tracked.pop(rid, None)
+            reason = finished_reason or "abort"
+            observed.end(reason, tracked.prefilled_by, tracked.kv_bytes, error)
 
     def _chunk(self, update: RequestUpdate, tracked: Tracked, first: bool) -> node_pb2.TokenChunk:
         chunk = node_pb2.TokenChunk(
@@ -125,7 +162,15 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.NodeLoad:
         kv_address = self.prefiller.receiver.address if self.prefiller else ""
-        return node_load(self.loop, self.node_id, "decode", self.model, self.accepting, kv_address)
+        return node_load(
+            self.loop,
+            self.node_id,
+            "decode",
+            self.model,
+            self.accepting,
+            kv_address,
+            self.metrics_address,
+        )
 
     # -- aborting ---------------------------------------------------------------------------------
 

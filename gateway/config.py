@@ -5,16 +5,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from gateway.discovery import NodeEntry
+
 
 def parse_address_list(value: str) -> tuple[str, ...]:
     """Split "host:port,host:port" into addresses; blanks are dropped."""
     return tuple(part.strip() for part in value.split(",") if part.strip())
-
-
-def _check_address(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"node address {address!r} is not host:port")
 
 
 @dataclass(frozen=True)
@@ -26,9 +22,10 @@ class GatewayConfig:
     served_model_name: str
     """Model id clients must name (default: --model as given)."""
     decode_nodes: tuple[str, ...]
-    """Decode node addresses (host:port); at least one."""
+    """Decode node entries: host:port, a DNS name standing for every address it resolves to
+    (also written dns:///name:port); at least one."""
     prefill_nodes: tuple[str, ...] = ()
-    """Prefill node addresses (host:port); may be empty (decode nodes prefill locally)."""
+    """Prefill node entries, as decode_nodes; may be empty (decode nodes prefill locally)."""
     host: str = "127.0.0.1"
     """Interface the REST and gRPC servers listen on."""
     port: int = 8000
@@ -45,6 +42,9 @@ class GatewayConfig:
     """How often every node's load is polled."""
     poll_timeout_s: float = 1.0
     """Deadline of one load poll; a node that misses it is unhealthy."""
+    dns_refresh_s: float = 2.0
+    """How often node entries that are DNS names are resolved again (0: never resolved here,
+    each entry is one node that gRPC resolves itself)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish before the servers stop."""
     log_level: str = "INFO"
@@ -56,7 +56,7 @@ class GatewayConfig:
         if not self.decode_nodes:
             raise ValueError("at least one decode node is needed (--decode-nodes)")
         for address in self.decode_nodes + self.prefill_nodes:
-            _check_address(address)
+            NodeEntry.parse(address)  # raises ValueError
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.grpc_port is not None and not 0 <= self.grpc_port < 65536:
@@ -68,6 +68,8 @@ class GatewayConfig:
         for name in ("request_timeout_s", "poll_interval_s", "poll_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.dns_refresh_s < 0:
+            raise ValueError(f"dns_refresh_s must be >= 0, got {self.dns_refresh_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):

@@ -11,6 +11,7 @@ from gateway.config import GatewayConfig
 from gateway.errors import ApiError
 from gateway.generation import GenerationRequest, Generator
 from gateway.logprobs import TokenTexts
+from gateway.metrics import GatewayMetrics
 from gateway.registry import NodeRegistry
 from pdserve.v1 import common_pb2
 
@@ -25,6 +26,7 @@ class GatewayContext:
     generator: Generator
     admission: Admission
     token_texts: TokenTexts
+    metrics: GatewayMetrics
 
     @property
     def model_name(self) -> str:

@@ -16,15 +16,19 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import Span, SpanKind
 
 from engine.tokenizer import Tokenizer
 from gateway.errors import ApiError
+from gateway.metrics import GatewayMetrics, SequenceTimer
 from gateway.registry import NodeRegistry, NodeState
 from gateway.router import Router
 from gateway.sequence import CompletionDelta, SequenceOutput
+from pdserve import tracing
 from pdserve.v1 import common_pb2, node_pb2
 
 logger = logging.getLogger(__name__)
@@ -48,6 +52,10 @@ class GenerationRequest:
     n: int = 1
     cache_salt: str = ""
     priority: int = 0
+    arrival_s: float = field(default_factory=time.monotonic)
+    """time.monotonic() when the client's request arrived (latencies count from here)."""
+    trace_context: Context | None = None
+    """The request's root span at the gateway (None when tracing is off)."""
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -72,11 +80,13 @@ class Generator:
         tokenizer: Tokenizer,
         registry: NodeRegistry,
         router: Router,
+        metrics: GatewayMetrics,
         rng: random.Random | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._registry = registry
         self._router = router
+        self._metrics = metrics
         self._rng = rng or random.Random()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[CompletionDelta]:
@@ -118,36 +128,78 @@ class Generator:
         index: int,
         emit: Callable[[CompletionDelta | ApiError], None],
     ) -> None:
+        timer = self._metrics.sequence(request.arrival_s, len(request.prompt_token_ids))
+        child_id = child_request_id(request.request_id, index, request.n)
+        attributes = {"pdserve.request_id": child_id, "pdserve.index": index}
+        span = tracing.start_span(
+            "gateway.completion", request.trace_context, attributes=attributes
+        )
         try:
-            await self._drive_child(request, index, emit)
+            reason = await self._drive_child(request, index, emit, timer, span)
         except ApiError as exc:
+            self._end_child(timer, span, "error", exc)
             emit(exc)
+        except asyncio.CancelledError as exc:  # the client left, or a sibling failed
+            self._end_child(timer, span, "abort", exc)
+            raise
         except Exception as exc:  # a bug must fail the request, not hang it
             logger.exception("request %s completion %d failed", request.request_id, index)
+            self._end_child(timer, span, "error", exc)
             emit(ApiError.internal(f"request {request.request_id} failed: {exc!r}"))
+        else:
+            self._end_child(timer, span, reason)
+
+    @staticmethod
+    def _end_child(
+        timer: SequenceTimer,
+        span: Span,
+        finished_reason: str,
+        error: BaseException | None = None,
+    ) -> None:
+        timer.finish(finished_reason)
+        if span.is_recording():
+            span.set_attributes(
+                {
+                    "pdserve.finished_reason": finished_reason,
+                    "pdserve.prompt_tokens": timer.num_prompt_tokens,
+                    "pdserve.generated_tokens": timer.num_tokens,
+                    "pdserve.decode_node": timer.node,
+                }
+            )
+        tracing.end_span(span, error)
 
     async def _drive_child(
         self,
         request: GenerationRequest,
         index: int,
         emit: Callable[[CompletionDelta | ApiError], None],
-    ) -> None:
+        timer: SequenceTimer,
+        span: Span,
+    ) -> str:
+        """Run one completion to its end, on as many decode nodes as it takes; returns its
+        finish reason."""
         params = self._child_params(request, index)
         seq = SequenceOutput(index, self._tokenizer, request.prompt_token_ids, params)
         child_id = child_request_id(request.request_id, index, request.n)
+        parent = tracing.context_of(span)
         failures: dict[str, str] = {}
         while True:
             if len(seq.output_token_ids) >= params.max_tokens:
                 # The node died after the last token but before sending its finish.
                 emit(seq.finish_delta("length"))
-                return
+                return "length"
+            route = tracing.start_span("gateway.route", parent)
             node = self._router.pick_decode(exclude=failures.keys())
             if node is None:
-                raise _no_node_error(child_id, seq, failures)
+                error = _no_node_error(child_id, seq, failures)
+                tracing.end_span(route, error)
+                raise error
             decode_request = self._decode_request(request, child_id, len(failures), params, seq)
+            _describe_route(route, node, decode_request)
+            tracing.end_span(route)
             try:
-                await self._stream(node, decode_request, request.deadline, seq, emit)
-                return
+                await self._stream(node, decode_request, request.deadline, seq, emit, timer, parent)
+                return seq.finish_reason or "stop"
             except _NodeFailed as exc:
                 failures[node.address] = str(exc)
                 logger.warning(
@@ -196,16 +248,29 @@ class Generator:
         deadline: float,
         seq: SequenceOutput,
         emit: Callable[[CompletionDelta | ApiError], None],
+        timer: SequenceTimer,
+        parent: Context | None,
     ) -> None:
         """Stream one Generate call into seq until the sequence finishes; raises _NodeFailed
         when another node should take over."""
         timeout_s = deadline - time.monotonic()
         if timeout_s <= 0:
             raise ApiError.timeout(f"request {decode_request.request_id} ran out of time")
-        call = node.decode_stub.Generate(decode_request, timeout=timeout_s)
+        attributes = {
+            "pdserve.request_id": decode_request.request_id,
+            "pdserve.decode_node": node.address,
+            "rpc.system": "grpc",
+            "rpc.method": "pdserve.v1.DecodeNode/Generate",
+        }
+        span = tracing.start_span("gateway.decode", parent, SpanKind.CLIENT, attributes)
+        metadata = tracing.grpc_metadata(tracing.context_of(span))
+        call = node.decode_stub.Generate(decode_request, timeout=timeout_s, metadata=metadata)
         node.num_inflight += 1
+        error: BaseException | None = None
         try:
             async for chunk in call:
+                if chunk.token_ids:
+                    timer.on_tokens(len(chunk.token_ids), node.address)
                 if chunk.prefilled_by.startswith(_REMOTE_PREFILL):
                     # The node may have passed over the top candidate.
                     address = chunk.prefilled_by.removeprefix(_REMOTE_PREFILL)
@@ -220,10 +285,17 @@ class Generator:
                     raise _NodeFailed("the node aborted the request")
             raise _NodeFailed("the stream ended without a finish reason")
         except grpc.aio.AioRpcError as exc:
-            raise self._call_failure(node, exc, seq) from exc
+            error = self._call_failure(node, exc, seq)
+            raise error from exc
+        except BaseException as exc:  # _NodeFailed, cancelled: recorded, then re-raised
+            error = exc
+            raise
         finally:
             node.num_inflight -= 1
             call.cancel()  # no-op when the call is over; aborts the node's request otherwise
+            if span.is_recording():
+                span.set_attribute("pdserve.generated_tokens", len(seq.output_token_ids))
+            tracing.end_span(span, error)
 
     def _call_failure(
         self, node: NodeState, exc: grpc.aio.AioRpcError, seq: SequenceOutput
@@ -238,6 +310,17 @@ class Generator:
         if code != grpc.StatusCode.RESOURCE_EXHAUSTED:  # full or draining: the node is fine
             self._registry.mark_failed(node, f"Generate failed: {code.name} {details}")
         return _NodeFailed(f"{code.name}: {details}")
+
+
+def _describe_route(span: Span, node: NodeState, decode_request: node_pb2.DecodeRequest) -> None:
+    if span.is_recording():
+        span.set_attributes(
+            {
+                "pdserve.decode_node": node.address,
+                "pdserve.prefill_candidates": list(decode_request.prefill_candidates),
+                "pdserve.prompt_tokens": len(decode_request.prompt_token_ids),
+            }
+        )
 
 
 def _no_node_error(child_id: str, seq: SequenceOutput, failures: dict[str, str]) -> ApiError:

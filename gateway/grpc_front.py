@@ -19,13 +19,16 @@ from gateway.errors import ApiError
 from gateway.generation import GenerationRequest
 from gateway.openai_api import MAX_N
 from gateway.prompts import chat_prompt_ids, check_token_ids
+from gateway.request_trace import RequestTrace
 from gateway.sampling import check_min_tokens, check_sampling_params, fit_max_tokens
 from gateway.sequence import CompletionDelta
+from pdserve import tracing
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
+_GENERATE_METHOD = f"{GATEWAY_SERVICE}/Generate"
 HEALTH_UPDATE_INTERVAL_S = 0.5
 DEFAULT_MAX_TOKENS = 16
 """SamplingParams.max_tokens when unset (the proto's documented default)."""
@@ -101,19 +104,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
+        parent = tracing.context_from_grpc(context.invocation_metadata())
+        attributes = {"rpc.system": "grpc", "rpc.method": _GENERATE_METHOD}
+        trace = RequestTrace(_GENERATE_METHOD, parent, attributes)
         ticket: Ticket | None = None
         try:
             ticket = self._ctx.admission.admit()
-            generation = prepare_generate(self._ctx, request)
+            generation = trace.prepare(lambda: prepare_generate(self._ctx, request))
             deltas = self._ctx.generator.generate(generation)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
                     yield _response(generation.request_id, delta)
         except ApiError as exc:
+            trace.fail(exc)
             await context.abort(exc.grpc_code, exc.message)
         finally:
             if ticket is not None:
                 ticket.release()
+            trace.end()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import socket
 import sys
@@ -23,12 +24,15 @@ from engine.tokenizer import Tokenizer
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, parse_address_list
 from gateway.context import GatewayContext
+from gateway.discovery import NodeDiscovery, Resolver, resolve_ips
 from gateway.generation import Generator
 from gateway.grpc_front import GrpcFront
 from gateway.logprobs import TokenTexts
+from gateway.metrics import GatewayMetrics
 from gateway.registry import NodeRegistry
 from gateway.router import Router
 from gateway.server import build_app
+from pdserve import tracing
 
 logger = logging.getLogger("gateway")
 
@@ -53,12 +57,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--grpc-port", type=int, default=50051, help="public gRPC port (0 disables the gRPC front)"
     )
     parser.add_argument(
-        "--decode-nodes", required=True, help="decode node addresses, host:port,host:port,..."
+        "--decode-nodes",
+        required=True,
+        help="decode nodes, host:port,...; a DNS name (name:port or dns:///name:port) stands for "
+        "every address it resolves to, re-resolved every --dns-refresh-s",
     )
     parser.add_argument(
         "--prefill-nodes",
         default="",
-        help="prefill node addresses, host:port,... (empty: decode nodes prefill locally)",
+        help="prefill nodes, as --decode-nodes (empty: decode nodes prefill locally)",
+    )
+    parser.add_argument(
+        "--dns-refresh-s",
+        type=float,
+        default=2.0,
+        help="how often DNS names among the node entries are resolved again; nodes that appear "
+        "are added, nodes that disappear finish their streams (0: no re-resolution)",
     )
     parser.add_argument(
         "--max-model-len",
@@ -109,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         max_model_len=args.max_model_len,
         max_num_requests=args.max_num_requests,
         request_timeout_s=args.request_timeout_s,
+        dns_refresh_s=args.dns_refresh_s,
         drain_timeout_s=args.drain_timeout_s,
         log_level=_log_level(args),
     )
@@ -170,25 +185,32 @@ async def serve(
     config: GatewayConfig,
     stop: asyncio.Event,
     on_listening: Callable[[Listening], None] | None = None,
+    resolver: Resolver = resolve_ips,
 ) -> None:
-    """Run the gateway until stop is set, then drain and shut down."""
+    """Run the gateway until stop is set, then drain and shut down. resolver: how discovery
+    resolves DNS names among the node entries."""
     tokenizer = Tokenizer.from_pretrained(config.model)
-    registry = NodeRegistry(
-        config.decode_nodes, config.prefill_nodes, config.poll_interval_s, config.poll_timeout_s
+    # Empty until discovery fills it from the entries (and keeps it up to date).
+    registry = NodeRegistry((), (), config.poll_interval_s, config.poll_timeout_s)
+    discovery = NodeDiscovery(
+        config.decode_nodes, config.prefill_nodes, config.dns_refresh_s, resolver
     )
     router = Router(registry)
     admission = Admission(config.max_num_requests)
+    metrics = GatewayMetrics(config.served_model_name, lambda: admission.num_in_flight)
     ctx = GatewayContext(
         config=config,
         tokenizer=tokenizer,
         registry=registry,
-        generator=Generator(tokenizer, registry, router),
+        generator=Generator(tokenizer, registry, router, metrics),
         admission=admission,
         token_texts=TokenTexts(tokenizer),
+        metrics=metrics,
     )
     rest: RestServer | None = None
     grpc_front: GrpcFront | None = None
     try:
+        await discovery.start(registry)
         await registry.start()
         rest = RestServer(build_app(ctx), config.host, config.port, config.log_level)
         await rest.start()
@@ -216,6 +238,7 @@ async def serve(
             await grpc_front.stop(_SERVER_STOP_GRACE_S)
         if rest is not None:
             await rest.stop()
+        await discovery.close()
         await registry.close()
         logger.info("gateway stopped")
 
@@ -233,7 +256,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         logging.getLogger().setLevel(config.log_level.upper())
-        asyncio.run(_serve_until_signalled(config))
+        tracing.setup("gateway", f"gateway-{socket.gethostname()}-{os.getpid()}")
+        try:
+            asyncio.run(_serve_until_signalled(config))
+        finally:
+            tracing.shutdown()  # flushes the last spans
     except (ValueError, OSError) as exc:
         logger.error("%s", exc)
         return 2

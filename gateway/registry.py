@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -69,6 +70,9 @@ class NodeRegistry:
         self._poll_timeout_s = poll_timeout_s
         self.decode_nodes = [self._node(a, "decode") for a in decode_addresses]
         self.prefill_nodes = [self._node(a, "prefill") for a in prefill_addresses]
+        self._retired: dict[str, NodeState] = {}
+        """Nodes discovery removed whose streams are still open: unrouted, unpolled; their
+        channel closes when the last stream ends."""
         self._task: asyncio.Task[None] | None = None
 
     @staticmethod
@@ -90,10 +94,45 @@ class NodeRegistry:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        await asyncio.gather(*(node.channel.close() for node in self.nodes))
+        nodes = self.nodes + list(self._retired.values())
+        await asyncio.gather(*(node.channel.close() for node in nodes))
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(node) for node in self.nodes))
+        await self._close_idle_retired()
+
+    async def update_nodes(self, role: Role, addresses: Sequence[str]) -> None:
+        """Make role's nodes exactly addresses (gateway/discovery.py calls this). New ones are
+        polled at once (routed to when healthy); removed ones get no new requests while the
+        streams open on them finish."""
+        current = self.decode_nodes if role == "decode" else self.prefill_nodes
+        wanted = set(addresses)
+        kept = [node for node in current if node.address in wanted]
+        for node in current:
+            if node.address not in wanted:
+                streams = node.num_inflight
+                logger.info("%s node %s removed (%d streams open)", role, node.address, streams)
+                self._retired[node.address] = node
+        known = {node.address for node in kept}
+        added = []
+        for address in dict.fromkeys(addresses):
+            if address not in known:
+                retired = self._retired.get(address)
+                if retired is not None and retired.role == role:  # back before it drained
+                    node = self._retired.pop(address)
+                else:
+                    node = self._node(address, role)
+                logger.info("%s node %s added", role, address)
+                added.append(node)
+        current[:] = kept + added  # in place: the router reads these very lists
+        await asyncio.gather(*(self._poll(node) for node in added))
+        await self._close_idle_retired()
+
+    async def _close_idle_retired(self) -> None:
+        idle = [node for node in self._retired.values() if node.num_inflight == 0]
+        for node in idle:
+            del self._retired[node.address]
+        await asyncio.gather(*(node.channel.close() for node in idle))
 
     async def _poll_forever(self) -> None:
         while True:

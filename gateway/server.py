@@ -23,10 +23,13 @@ from gateway.admission import Ticket
 from gateway.chat import chat_response, chat_stream, prepare_chat
 from gateway.completions import completion_response, completion_stream, prepare_completion
 from gateway.context import GatewayContext
+from gateway.dashboard import add_dashboard_routes
 from gateway.errors import ApiError
 from gateway.generation import GenerationRequest
 from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from gateway.request_trace import RequestTrace
 from gateway.sequence import CompletionDelta
+from pdserve import metrics, tracing
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +95,14 @@ class EventStreamResponse(StreamingResponse):
         frames: AsyncIterator[str],
         closers: list[Callable[[], Awaitable[None]]],
         ticket: Ticket,
+        trace: RequestTrace,
     ) -> None:
         super().__init__(
             frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
         self._closers = [self.body_iterator.aclose, *closers]  # type: ignore[union-attr]
         self._ticket = ticket
+        self._trace = trace
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -108,17 +113,20 @@ class EventStreamResponse(StreamingResponse):
                     await close()
             finally:
                 self._ticket.release()
+                self._trace.end()
 
 
-async def _sse_frames(events: AsyncIterator[str]) -> AsyncIterator[str]:
+async def _sse_frames(events: AsyncIterator[str], trace: RequestTrace) -> AsyncIterator[str]:
     """`data: {json}` per event, an error event if the request fails, then `data: [DONE]`."""
     try:
         async for payload in events:
             yield f"data: {payload}\n\n"
     except ApiError as exc:
+        trace.fail(exc)
         yield f"data: {json.dumps(exc.body())}\n\n"
     except Exception as exc:  # still end the stream the way clients expect
         logger.exception("stream failed")
+        trace.fail(exc)
         yield f"data: {json.dumps(ApiError.internal(repr(exc)).body())}\n\n"
     yield "data: [DONE]\n\n"
 
@@ -143,35 +151,47 @@ class RestFront:
         return ModelList(data=[card])
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
-        ticket = self.ctx.admission.admit()
-        try:
-            request = prepare_completion(self.ctx, body)
-        except BaseException:
-            ticket.release()
-            raise
+        trace, ticket, request = self._begin(raw, lambda: prepare_completion(self.ctx, body))
         deltas = self.ctx.generator.generate(request)
         if body.stream:
-            return self._stream(completion_stream(self.ctx, body, request, deltas), deltas, ticket)
+            events = completion_stream(self.ctx, body, request, deltas)
+            return self._stream(events, deltas, ticket, trace)
         work = completion_response(self.ctx, body, request, deltas)
-        return await self._respond(raw, request, work, deltas, ticket)
+        return await self._respond(raw, request, work, deltas, ticket, trace)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        ticket = self.ctx.admission.admit()
-        try:
-            request = prepare_chat(self.ctx, body)
-        except BaseException:
-            ticket.release()
-            raise
+        trace, ticket, request = self._begin(raw, lambda: prepare_chat(self.ctx, body))
         deltas = self.ctx.generator.generate(request)
         if body.stream:
-            return self._stream(chat_stream(self.ctx, body, request, deltas), deltas, ticket)
+            return self._stream(chat_stream(self.ctx, body, request, deltas), deltas, ticket, trace)
         work = chat_response(self.ctx, body, request, deltas)
-        return await self._respond(raw, request, work, deltas, ticket)
+        return await self._respond(raw, request, work, deltas, ticket, trace)
+
+    def _begin(
+        self, raw: Request, prepare: Callable[[], GenerationRequest]
+    ) -> tuple[RequestTrace, Ticket, GenerationRequest]:
+        """Open the request's trace, admit and prepare it. On failure (an ApiError: full,
+        bad input) nothing stays open."""
+        path = raw.url.path
+        attributes = {"http.request.method": "POST", "http.route": path}
+        trace = RequestTrace(f"POST {path}", tracing.extract(raw.headers), attributes)
+        ticket: Ticket | None = None
+        try:
+            ticket = self.ctx.admission.admit()
+            return trace, ticket, trace.prepare(prepare)
+        except BaseException as exc:
+            if ticket is not None:
+                ticket.release()
+            trace.fail(exc)
+            trace.end()
+            raise
 
     @staticmethod
-    def _stream(events: AsyncIterator[str], deltas: Deltas, ticket: Ticket) -> Response:
+    def _stream(
+        events: AsyncIterator[str], deltas: Deltas, ticket: Ticket, trace: RequestTrace
+    ) -> Response:
         closers = [events.aclose, deltas.aclose]  # type: ignore[attr-defined]
-        return EventStreamResponse(_sse_frames(events), closers, ticket)
+        return EventStreamResponse(_sse_frames(events, trace), closers, ticket, trace)
 
     @staticmethod
     async def _respond(
@@ -180,6 +200,7 @@ class RestFront:
         work: Coroutine[Any, Any, BaseModel],
         deltas: Deltas,
         ticket: Ticket,
+        trace: RequestTrace,
     ) -> Response:
         """Await work, unless the client goes away first: then cancel it (which cancels the
         decode calls) and answer no one."""
@@ -192,6 +213,9 @@ class RestFront:
                 if await raw.is_disconnected():
                     logger.info("client of %s went away; cancelling it", request.request_id)
                     return Response(status_code=499)
+        except BaseException as exc:
+            trace.fail(exc)
+            raise
         finally:
             try:
                 if not task.done():
@@ -201,6 +225,16 @@ class RestFront:
                 await deltas.aclose()  # type: ignore[attr-defined]
             finally:
                 ticket.release()
+                trace.end()
+
+
+def node_scrape_targets(ctx: GatewayContext) -> list[dict[str, Any]]:
+    """Prometheus HTTP service discovery: the /metrics of every node that reported one."""
+    return [
+        {"targets": [node.load.metrics_address], "labels": {"node_address": node.address}}
+        for node in ctx.registry.nodes
+        if node.load is not None and node.load.metrics_address
+    ]
 
 
 def build_app(ctx: GatewayContext) -> FastAPI:
@@ -227,7 +261,17 @@ def build_app(ctx: GatewayContext) -> FastAPI:
         logger.exception("unhandled error")
         return error_response(ApiError.internal(f"internal error: {exc!r}"))
 
+    async def prometheus_metrics() -> Response:
+        body = metrics.exposition(ctx.metrics.registry)
+        return Response(body, media_type=metrics.CONTENT_TYPE)
+
+    async def scrape_targets() -> JSONResponse:
+        return JSONResponse(node_scrape_targets(ctx))
+
     app.add_api_route("/health", front.health, methods=["GET"])
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
+    app.add_api_route("/metrics/targets", scrape_targets, methods=["GET"])
+    add_dashboard_routes(app, ctx)
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])

@@ -33,6 +33,7 @@ from kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,
     KVTransferError,
+    advertised_host,
     payload_view,
     split_address,
 )
@@ -92,7 +93,7 @@ class TcpReceiver(BaseReceiver):
         sock.listen()
         sock.setblocking(False)
         self._listen_sock = sock
-        self.address = f"tcp://{self._host}:{sock.getsockname()[1]}"
+        self.address = f"tcp://{advertised_host(self._host)}:{sock.getsockname()[1]}"
         self._spawn(self._accept_loop(sock))
 
     async def close(self) -> None:

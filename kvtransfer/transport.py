@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -168,12 +169,24 @@ def _ucxx_imports() -> bool:
     return True
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def advertised_host(host: str) -> str:
+    """The host a receiver bound to host gives senders: host itself, or for a wildcard this
+    machine's address (its hostname resolved: a container's or a pod's own IP)."""
+    if host not in WILDCARD_HOSTS:
+        return host
+    return socket.gethostbyname(socket.gethostname())
+
+
 def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0) -> KVReceiver:
     """A receiver of the given kind ("ucx" | "tcp" | "inproc"), not yet started.
 
-    host is the address advertised to senders (and, for tcp, the one bound); port 0 picks a
-    free one. The UCX listener binds every interface whatever host says (ucxx offers no
-    bind address). inproc ignores both.
+    host is the address advertised to senders (and, for tcp, the one bound); a wildcard
+    ("0.0.0.0") binds every interface and advertises advertised_host(). port 0 picks a free
+    one. The UCX listener binds every interface whatever host says (ucxx offers no bind
+    address). inproc ignores both.
     """
     if kind == "ucx":
         from kvtransfer.ucx import UcxReceiver

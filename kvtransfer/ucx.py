@@ -44,6 +44,7 @@ from kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,
     KVTransferError,
+    advertised_host,
     payload_view,
     split_address,
 )
@@ -147,7 +148,7 @@ class UcxReceiver(BaseReceiver):
 
     async def start(self) -> None:
         self._listener = _ucxx().create_listener(self._on_connect, port=self._port)
-        self.address = f"ucx://{self._host}:{self._listener.port}"
+        self.address = f"ucx://{advertised_host(self._host)}:{self._listener.port}"
 
     async def close(self) -> None:
         self._closing = True

@@ -16,10 +16,12 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
+from pdserve.metrics import MetricsServer
 from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -53,6 +55,13 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
         choices=["ucx", "tcp"],
         help="KV block transport between prefill and decode nodes (ucx via ucxx, tcp fallback)",
     )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="port of the node's Prometheus /metrics (0 = off)",
+    )
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics server binds")
     p.add_argument(
         "--drain-timeout-s",
         type=float,
@@ -92,7 +101,13 @@ def node_id(args: argparse.Namespace, role: str) -> str:
 
 
 def node_load(
-    loop: EngineLoop, node: str, role: str, model: str, accepting: bool, kv_address: str = ""
+    loop: EngineLoop,
+    node: str,
+    role: str,
+    model: str,
+    accepting: bool,
+    kv_address: str = "",
+    metrics_address: str = "",
 ) -> node_pb2.NodeLoad:
     """A snapshot of the engine's load. Read from the event loop while the engine thread runs:
     plain int reads, so at worst one step stale."""
@@ -112,7 +127,19 @@ def node_load(
         generation_tokens_per_s=loop.generation_tokens_per_s(),
         kv_address=kv_address,
         num_preemptions=scheduler.num_preemptions,
+        metrics_address=metrics_address,
     )
+
+
+def start_metrics_server(
+    registry: CollectorRegistry, args: argparse.Namespace
+) -> MetricsServer | None:
+    """The node's Prometheus /metrics server, listening, when --metrics-port is set."""
+    if not args.metrics_port:
+        return None
+    server = MetricsServer(registry, args.metrics_host, args.metrics_port)
+    server.start()
+    return server
 
 
 class NodeServer:

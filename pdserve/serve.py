@@ -84,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="once healthy, write the processes (name, address, pid) here as JSON, for tools",
     )
     p.add_argument(
+        "--node-metrics",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="give every node a Prometheus /metrics port on 127.0.0.1 (the gateway lists them "
+        "at /metrics/targets and in --state-file)",
+    )
+    p.add_argument(
         "--node-arg",
         action="append",
         default=[],
@@ -97,6 +104,8 @@ class Child:
     name: str
     process: subprocess.Popen
     address: str
+    metrics_address: str
+    """host:port of its Prometheus /metrics (the gateway: its HTTP port)."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -146,9 +155,14 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             argv = [role, *node_argv, "--port", str(port)]
             if role == "decode":
                 argv += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+            metrics_address = ""
+            if args.node_metrics:
+                metrics_port = free_port()
+                argv += ["--metrics-port", str(metrics_port)]
+                metrics_address = f"127.0.0.1:{metrics_port}"
             core = len(children) % cores if args.pin_cpus else None
             process = _spawn(f"{role}-{i}", argv, core)
-            children.append(Child(f"{role}-{i}", process, f"127.0.0.1:{port}"))
+            children.append(Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address))
     prefill = ",".join(c.address for c in children if c.name.startswith("prefill"))
     decode = ",".join(c.address for c in children if c.name.startswith("decode"))
     gateway_argv = ["gateway", "--model", args.model, "--host", args.host]
@@ -161,7 +175,8 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
     if args.max_model_len:
         gateway_argv += ["--max-model-len", str(args.max_model_len)]
     gateway = _spawn("gateway", gateway_argv, None)
-    children.append(Child("gateway", gateway, f"{args.host}:{args.port}"))
+    address = f"{args.host}:{args.port}"
+    children.append(Child("gateway", gateway, address, address))
     return children
 
 
@@ -213,10 +228,19 @@ def run(args: argparse.Namespace) -> int:
         base = f"http://{host}:{args.port}"
         wait_healthy(f"{base}/health", children, args.startup_timeout_s)
         logger.info("pdserve is up: OpenAI REST %s/v1, gRPC %s:%d", base, host, args.grpc_port)
+        logger.info("status page %s/dashboard, metrics %s/metrics", base, base)
         for child in children:
             logger.info("  %-10s %s (pid %d)", child.name, child.address, child.process.pid)
         if args.state_file:
-            state = [{"name": c.name, "address": c.address, "pid": c.process.pid} for c in children]
+            state = [
+                {
+                    "name": c.name,
+                    "address": c.address,
+                    "pid": c.process.pid,
+                    "metrics_address": c.metrics_address,
+                }
+                for c in children
+            ]
             Path(args.state_file).write_text(json.dumps(state, indent=2))
         reported: set[str] = set()
         while not stopping:

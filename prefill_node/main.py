@@ -10,6 +10,7 @@ import logging
 from engine.engine_loop import EngineLoop
 from kvtransfer.connector import KVPushConnector, kv_layout
 from kvtransfer.transport import make_sender
+from pdserve import tracing
 from pdserve.node import (
     NodeServer,
     add_node_args,
@@ -17,10 +18,14 @@ from pdserve.node import (
     drain,
     node_id,
     served_model_name,
+    start_metrics_server,
     stop_event_on_signals,
 )
+from pdserve.node_metrics import NodeMetrics
+from pdserve.request_times import chain
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from prefill_node.servicer import PrefillServicer, end_after_first_token
+from prefill_node.telemetry import PrefillTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +47,23 @@ async def serve(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     stop = stop_event_on_signals(loop)
     model = served_model_name(args)
+    this_node = node_id(args, "prefill")
+    tracing.setup("prefill", this_node)
     engine = build_engine(args)
-    engine_loop = EngineLoop(engine, loop, after_step=end_after_first_token)
+    metrics = NodeMetrics(engine, "prefill", model, this_node)
+    telemetry = PrefillTelemetry(metrics, this_node)
+    # The watcher first: it must see requests before they end after their first token.
+    after_step = chain(telemetry.watcher.after_step, end_after_first_token)
+    engine_loop = EngineLoop(engine, loop, after_step=after_step)
     sender = make_sender(args.kv_transport)
     layout = kv_layout(model, engine.runner.kv_cache, engine.cache_config.block_size)
     connector = KVPushConnector(engine.runner.kv_cache, layout, sender, loop)
     engine.kv_connector = connector
     servicer = PrefillServicer(
-        engine_loop, connector, node_id(args, "prefill"), model, args.prefill_timeout_s
+        engine_loop, connector, this_node, model, args.prefill_timeout_s, telemetry
     )
+    metrics_server = start_metrics_server(metrics.registry, args)
+    servicer.metrics_address = metrics_server.address if metrics_server else ""
     service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     server = NodeServer(args.host, args.port, [service])
     node_pb2_grpc.add_PrefillNodeServicer_to_server(servicer, server.server)
@@ -68,6 +81,9 @@ async def serve(args: argparse.Namespace) -> None:
         await server.stop(grace_s=2.0)
         engine_loop.stop()
         await sender.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()  # flushes this node's last spans
         logger.info("prefill node stopped")
 
 

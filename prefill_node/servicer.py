@@ -17,6 +17,7 @@ from kvtransfer.wire import KVLayoutMismatch
 from pdserve.node import node_load
 from pdserve.protocol import logprob_to_proto, sampling_params_from_proto
 from pdserve.v1 import node_pb2, node_pb2_grpc
+from prefill_node.telemetry import PrefillTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +40,17 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
         node_id: str,
         model: str,
         timeout_s: float,
+        telemetry: PrefillTelemetry,
     ) -> None:
         self.loop = engine_loop
         self.connector = connector
         self.node_id = node_id
         self.model = model
         self.timeout_s = timeout_s
+        self.telemetry = telemetry
         self.accepting = True
+        self.metrics_address = ""
+        """host:port of this node's /metrics, reported in NodeLoad ("" = off)."""
         self._in_flight: set[str] = set()
 
     async def Prefill(
@@ -63,28 +68,47 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         target = request.kv_target
         prompt = list(request.prompt_token_ids)
-        push = PushTarget(target.address, target.transfer_id, target.skip_blocks)
+        observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
+        push = PushTarget(
+            target.address, target.transfer_id, target.skip_blocks, observed.push_context()
+        )
         stream = self.loop.open_stream(rid)
         self.connector.register(rid, push, len(prompt))
         self._in_flight.add(rid)
-        try:
-            await self.loop.call(
-                lambda e: e.add_request(
-                    rid, prompt, params, cache_salt=request.cache_salt or None, seed=request.seed
-                )
+
+        def add(engine: LLMEngine) -> None:
+            engine.add_request(
+                rid, prompt, params, cache_salt=request.cache_salt or None, seed=request.seed
             )
+            self.telemetry.watcher.watch(rid, observed.times)
+
+        error: BaseException | None = None
+        try:
+            await self.loop.call(add)
             update = await stream.get(self.timeout_s)
             if update.status is RequestStatus.FINISHED_ABORTED or not update.new_token_ids:
                 await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
-            stats = await self.connector.sent(rid, self.timeout_s)
+            observed.first_token(update.num_cached_tokens)
+            try:
+                stats = await self.connector.sent(rid, self.timeout_s)
+            except (KVTransferError, TimeoutError):
+                observed.transfer_failed()
+                raise
+            observed.sent(stats, target.address)
         except ValueError as e:
+            error = e
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (KVTransferError, TimeoutError) as e:
+            error = e
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV push failed: {e}")
+        except BaseException as e:  # aborted, cancelled: recorded on the span, then re-raised
+            error = e
+            raise
         finally:
             self._in_flight.discard(rid)
             self.connector.unregister(rid)
             self.loop.abort(rid)  # no-op when it already ended after its first token
+            observed.end(error)
         response = node_pb2.PrefillResponse(
             first_token_id=update.new_token_ids[0],
             num_cached_tokens=update.num_cached_tokens,
@@ -108,4 +132,11 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
     async def GetLoad(
         self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.NodeLoad:
-        return node_load(self.loop, self.node_id, "prefill", self.model, self.accepting)
+        return node_load(
+            self.loop,
+            self.node_id,
+            "prefill",
+            self.model,
+            self.accepting,
+            metrics_address=self.metrics_address,
+        )

@@ -2,6 +2,12 @@
 
 If the build is impossible (no compiler, no ninja), the engine falls back to its pure-torch
 attention and logs why once.
+
+A prebuilt module (a container image builds it in its build stage) loads without a compiler:
+torch re-emits build.ninja and runs ninja, which finds every output up to date, as long as the
+sources, the flags and the paths are the ones it was built with. -march is native by default;
+an image meant for other machines than the one that built it sets PDSERVE_CPU_MARCH (e.g.
+x86-64-v3) at build and at run time alike.
 """
 
 from __future__ import annotations
@@ -20,6 +26,11 @@ _SOURCES = [os.path.join(_HERE, "paged_attention.cpp")]
 _BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", "cpu_kernels")
 
 
+def _march() -> str:
+    """The -march the kernels are compiled for (a different value means a rebuild)."""
+    return os.environ.get("PDSERVE_CPU_MARCH", "native")
+
+
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled module (paged_decode_attention), or None if it cannot be built.
@@ -35,7 +46,7 @@ def cpu_ops() -> ModuleType | None:
             build_directory=_BUILD_DIR,
             name="pdserve_cpu_attention",
             sources=_SOURCES,
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_cflags=["-O3", f"-march={_march()}", "-ffast-math", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

@@ -62,13 +62,15 @@ def transport() -> str:
     return "ucx" if "ucx" in available_transports() else "tcp"
 
 
-def start_stack(model: str, log_dir: Path, num_prefill=2, num_decode=2, extra=()) -> Stack:
+def start_stack(
+    model: str, log_dir: Path, num_prefill=2, num_decode=2, extra=(), env=None
+) -> Stack:
     port, grpc_port = free_port(), free_port()
     state = log_dir / "state.json"
     argv = ["serve", "--model", model, "--num-prefill", str(num_prefill)]
     argv += ["--num-decode", str(num_decode), "--kv-transport", transport(), *STACK_FLAGS]
     argv += ["--port", str(port), "--grpc-port", str(grpc_port), "--state-file", str(state)]
-    proc = Proc([*argv, *extra], log_dir / "serve.log")
+    proc = Proc([*argv, *extra], log_dir / "serve.log", env=env)
     deadline = time.monotonic() + 240
     while not state.exists():
         if not proc.alive() or time.monotonic() > deadline:

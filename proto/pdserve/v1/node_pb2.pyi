@@ -114,7 +114,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("node_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "max_model_len", "accepting", "generation_tokens_per_s", "kv_address", "num_preemptions")
+    __slots__ = ("node_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "max_model_len", "accepting", "generation_tokens_per_s", "kv_address", "num_preemptions", "metrics_address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class NodeLoad(_message.Message):
     GENERATION_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     model: str
@@ -141,4 +142,5 @@ class NodeLoad(_message.Message):
     generation_tokens_per_s: float
     kv_address: str
     num_preemptions: int
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepting: _Optional[bool] = ..., generation_tokens_per_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    metrics_address: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepting: _Optional[bool] = ..., generation_tokens_per_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
