@@ -10,6 +10,7 @@ import logging
 from decode_node.remote_prefill import RemotePrefiller
 from decode_node.servicer import DecodeServicer
 from decode_node.telemetry import DecodeTelemetry
+from engine.config import SpeculativeConfig
 from engine.engine_loop import EngineLoop
 from kvtransfer.connector import KVPullConnector, kv_layout
 from kvtransfer.transport import make_receiver
@@ -43,6 +44,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "disaggregation); longer ones go to a prefill node when the gateway offers one",
     )
     p.add_argument(
+        "--speculative-config",
+        type=SpeculativeConfig.from_json,
+        default=None,
+        help='speculative decoding as JSON, like vLLM\'s: \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 4}\' or '
+        '\'{"method": "draft_model", "model": "DRAFT_DIR", "num_speculative_tokens": 3}\' '
+        "(policy thresholds too: max_batch_for_speculation, min_expected_accepted, backoff_steps)",
+    )
+    p.add_argument(
         "--kv-host", default="127.0.0.1", help="address the KV receiver binds (tcp transport)"
     )
     p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free)")
@@ -72,7 +82,11 @@ async def serve(args: argparse.Namespace) -> None:
     model = served_model_name(args)
     this_node = node_id(args, "decode")
     tracing.setup("decode", this_node)
-    engine = build_engine(args, remote_prefill_min_tokens=args.remote_prefill_min_tokens)
+    engine = build_engine(
+        args,
+        remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+        speculative_config=args.speculative_config,
+    )
     metrics = NodeMetrics(engine, "decode", model, this_node)
     speculative = getattr(engine, "spec_stats", None) is not None
     telemetry = DecodeTelemetry(metrics, this_node, speculative)

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from engine.engine_loop import EngineLoop
 from engine.llm_engine import LLMEngine
 from pdserve.metrics import MetricsServer
@@ -70,7 +70,11 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
     )
 
 
-def build_engine(args: argparse.Namespace, remote_prefill_min_tokens: int = 1) -> LLMEngine:
+def build_engine(
+    args: argparse.Namespace,
+    remote_prefill_min_tokens: int = 1,
+    speculative_config: SpeculativeConfig | None = None,
+) -> LLMEngine:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     return LLMEngine(
@@ -89,6 +93,7 @@ def build_engine(args: argparse.Namespace, remote_prefill_min_tokens: int = 1) -
             policy=args.scheduling_policy,
             remote_prefill_min_tokens=remote_prefill_min_tokens,
         ),
+        speculative_config=speculative_config,
     )
 
 

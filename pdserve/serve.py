@@ -65,6 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode nodes prefill prompts with fewer uncached tokens locally",
     )
     p.add_argument(
+        "--speculative-config",
+        default=None,
+        help="speculative decoding on the decode nodes, as JSON (see `pdserve decode --help`)",
+    )
+    p.add_argument(
         "--num-threads", type=int, default=None, help="torch threads per node (default: all)"
     )
     p.add_argument(
@@ -155,6 +160,8 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             argv = [role, *node_argv, "--port", str(port)]
             if role == "decode":
                 argv += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+                if args.speculative_config:
+                    argv += ["--speculative-config", args.speculative_config]
             metrics_address = ""
             if args.node_metrics:
                 metrics_port = free_port()
