@@ -53,7 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(policy thresholds too: max_batch_for_speculation, min_expected_accepted, backoff_steps)",
     )
     p.add_argument(
-        "--kv-host", default="127.0.0.1", help="address the KV receiver binds (tcp transport)"
+        "--kv-host",
+        default="127.0.0.1",
+        help="address of the KV receiver, given to prefill nodes (and bound, tcp transport); "
+        "0.0.0.0 binds every interface and gives this host's address (a container's, a pod's)",
     )
     p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free)")
     p.add_argument(

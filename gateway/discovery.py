@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ DNS_SCHEME = "dns:///"
 """gRPC's name syntax for a DNS name (the default authority only)."""
 RESOLVE_TIMEOUT_S = 5.0
 """Deadline of one name's resolution; a slower answer counts as a failure (addresses kept)."""
+_HOSTNAME = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_.])?")
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
@@ -73,7 +75,10 @@ class NodeEntry:
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"node address {entry!r} is not host:port")
         host = host.removeprefix("[").removesuffix("]")
-        return cls(host, int(port), is_name=not _is_ip(host))
+        is_name = not _is_ip(host)
+        if is_name and not _HOSTNAME.fullmatch(host):
+            raise ValueError(f"node address {entry!r} is not host:port")
+        return cls(host, int(port), is_name)
 
 
 def _is_ip(host: str) -> bool:

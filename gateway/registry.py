@@ -103,30 +103,30 @@ class NodeRegistry:
 
     async def update_nodes(self, role: Role, addresses: Sequence[str]) -> None:
         """Make role's nodes exactly addresses (gateway/discovery.py calls this). New ones are
-        polled at once (routed to when healthy); removed ones get no new requests while the
-        streams open on them finish."""
+        polled first, so that a set replaced at once by another leaves no moment without a
+        healthy node; removed ones get no new requests while the streams open on them finish."""
         current = self.decode_nodes if role == "decode" else self.prefill_nodes
+        known = {node.address for node in current}
+        added = [self._revived(a, role) for a in dict.fromkeys(addresses) if a not in known]
+        await asyncio.gather(*(self._poll(node) for node in added))
         wanted = set(addresses)
-        kept = [node for node in current if node.address in wanted]
         for node in current:
             if node.address not in wanted:
                 streams = node.num_inflight
                 logger.info("%s node %s removed (%d streams open)", role, node.address, streams)
                 self._retired[node.address] = node
-        known = {node.address for node in kept}
-        added = []
-        for address in dict.fromkeys(addresses):
-            if address not in known:
-                retired = self._retired.get(address)
-                if retired is not None and retired.role == role:  # back before it drained
-                    node = self._retired.pop(address)
-                else:
-                    node = self._node(address, role)
-                logger.info("%s node %s added", role, address)
-                added.append(node)
-        current[:] = kept + added  # in place: the router reads these very lists
-        await asyncio.gather(*(self._poll(node) for node in added))
+        for node in added:
+            logger.info("%s node %s added", role, node.address)
+        # In place: the router reads these very lists.
+        current[:] = [node for node in current if node.address in wanted] + added
         await self._close_idle_retired()
+
+    def _revived(self, address: str, role: Role) -> NodeState:
+        """A node for an address that appears: the retired one, back before it drained, or new."""
+        retired = self._retired.get(address)
+        if retired is not None and retired.role == role:
+            return self._retired.pop(address)
+        return self._node(address, role)
 
     async def _close_idle_retired(self) -> None:
         idle = [node for node in self._retired.values() if node.num_inflight == 0]

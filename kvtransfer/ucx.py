@@ -65,6 +65,8 @@ _ucx_loop: asyncio.AbstractEventLoop | None = None
 
 def _ucxx() -> Any:
     """The ucxx module, initialised on the running event loop (once per process)."""
+    # ucxx sets UCX_* variables some UCX builds do not know; do not warn about them
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
 
     global _ucx_loop
