@@ -114,7 +114,7 @@ def start_vllm(args: argparse.Namespace, port: int, log: Path) -> subprocess.Pop
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from serve_vs_vllm import start_vllm_server
 
-    server_args = f"--dtype {args.dtype} --max-model-len 4096"
+    server_args = f"--dtype {args.dtype}"
     vllm_args = argparse.Namespace(
         model=args.model, server_args=server_args, vllm_dir=args.vllm_dir
     )
@@ -135,6 +135,12 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
                             start_new_session=True)  # fmt: skip
     try:
         return measure(mode, proc, f"http://127.0.0.1:{port}", args, tmp)
+    except Exception:
+        log.flush()
+        logger.error(
+            "%s failed; its log ends:\n%s", mode, (tmp / f"{mode}.log").read_text()[-4000:]
+        )
+        raise
     finally:
         log.close()
 
