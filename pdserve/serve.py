@@ -75,9 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--pin-cpus",
         action="store_true",
-        help="pin node k to CPU core k mod cores (with --num-threads 1: one core per node); the "
-        "gateway shares core 0 with the first node (a prefill node when there is one), so it "
-        "never competes with the decode nodes",
+        help="pin node k to CPU core k mod cores (with --num-threads 1: one core per node)",
     )
     p.add_argument(
         "--max-num-requests", type=int, default=1024, help="gateway admission limit (then 429)"
@@ -183,7 +181,7 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
         gateway_argv += ["--served-model-name", args.served_model_name]
     if args.max_model_len:
         gateway_argv += ["--max-model-len", str(args.max_model_len)]
-    gateway = _spawn("gateway", gateway_argv, 0 if args.pin_cpus else None)
+    gateway = _spawn("gateway", gateway_argv, None)
     address = f"{args.host}:{args.port}"
     children.append(Child("gateway", gateway, address, address))
     return children
