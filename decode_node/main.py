@@ -12,6 +12,7 @@ from decode_node.servicer import DecodeServicer
 from decode_node.telemetry import DecodeTelemetry
 from engine.config import SpeculativeConfig
 from engine.engine_loop import EngineLoop
+from engine.platform import freeze_startup_objects
 from kvtransfer.connector import KVPullConnector, kv_layout
 from kvtransfer.transport import make_receiver
 from pdserve import tracing
@@ -109,6 +110,7 @@ async def serve(args: argparse.Namespace) -> None:
     service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     server = NodeServer(args.host, args.port, [service])
     node_pb2_grpc.add_DecodeNodeServicer_to_server(servicer, server.server)
+    freeze_startup_objects()
     engine_loop.start()
     try:
         await server.start()

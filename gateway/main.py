@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from engine.platform import freeze_startup_objects
 from engine.tokenizer import Tokenizer
 from gateway.admission import Admission
 from gateway.config import GatewayConfig, parse_address_list
@@ -218,6 +219,7 @@ async def serve(
         if config.grpc_port is not None:
             grpc_front = GrpcFront(ctx, config.host, config.grpc_port)
             grpc_port = await grpc_front.start()
+        freeze_startup_objects()
         logger.info(
             "gateway for %r on %s: REST port %d, gRPC port %s; decode nodes %s, prefill nodes %s",
             config.served_model_name,

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -679,6 +680,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     args.tokenizer = resolve_tokenizer(args)
     vocab = load_vocab(args.tokenizer)
     requests = build_dataset(args, vocab)
+    # like vllm bench serve: no full collections walking the dataset while timing
+    gc.collect()
+    gc.freeze()
     results, duration_s = asyncio.run(benchmark(args, requests, vocab))
     metrics = calculate_metrics(results, duration_s, percentiles, slos_ms)
     log_errors(results)

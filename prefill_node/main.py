@@ -8,6 +8,7 @@ import asyncio
 import logging
 
 from engine.engine_loop import EngineLoop
+from engine.platform import freeze_startup_objects
 from kvtransfer.connector import KVPushConnector, kv_layout
 from kvtransfer.transport import make_sender
 from pdserve import tracing
@@ -67,6 +68,7 @@ async def serve(args: argparse.Namespace) -> None:
     service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
     server = NodeServer(args.host, args.port, [service])
     node_pb2_grpc.add_PrefillNodeServicer_to_server(servicer, server.server)
+    freeze_startup_objects()
     engine_loop.start()
     try:
         await server.start()
