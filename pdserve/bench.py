@@ -842,21 +842,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pdserve.bench serve ...`: the same command without pdserve's cli."""
-    parser = argparse.ArgumentParser(prog="pdserve")
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    try:
-        return args.func(args)
-    except ValueError as exc:
-        logger.error("%s", exc)
-        return 2
+    """`python -m pdserve.bench serve ...`: the same as `pdserve bench serve ...`."""
+    from pdserve.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
