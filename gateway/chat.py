@@ -7,7 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.completions import usage
+from gateway.completions import final_usage, usage
 from gateway.context import GatewayContext
 from gateway.generation import GenerationRequest
 from gateway.logprobs import chat_logprobs
@@ -69,11 +69,7 @@ async def chat_response(
         created=int(time.time()),
         model=body.model,
         choices=choices,
-        usage=usage(
-            len(request.prompt_token_ids),
-            outputs[0].num_cached_tokens,
-            sum(len(out.token_ids) for out in outputs),
-        ),
+        usage=final_usage(request, outputs),
     )
 
 

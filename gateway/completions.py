@@ -19,7 +19,7 @@ from gateway.openai_api import (
 )
 from gateway.prompts import completion_prompt_ids
 from gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
-from gateway.sequence import CompletionDelta, collect
+from gateway.sequence import CompletionDelta, FinalOutput, collect
 
 
 def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> GenerationRequest:
@@ -43,6 +43,15 @@ def usage(num_prompt_tokens: int, num_cached_tokens: int, completion_tokens: int
         completion_tokens=completion_tokens,
         total_tokens=num_prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
+    )
+
+
+def final_usage(request: GenerationRequest, outputs: list[FinalOutput]) -> UsageInfo:
+    """The usage of a request whose n completions are all done."""
+    return usage(
+        len(request.prompt_token_ids),
+        outputs[0].num_cached_tokens,
+        sum(len(out.token_ids) for out in outputs),
     )
 
 
@@ -71,11 +80,7 @@ async def completion_response(
         created=int(time.time()),
         model=body.model,
         choices=choices,
-        usage=usage(
-            len(request.prompt_token_ids),
-            outputs[0].num_cached_tokens,
-            sum(len(out.token_ids) for out in outputs),
-        ),
+        usage=final_usage(request, outputs),
     )
 
 
