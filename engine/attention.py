@@ -126,9 +126,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each request's cached context plus this step's
-    k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]."""
-    write_kv(kv_cache, k, v, meta)
+    k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]. Rows past
+    the step's tokens (len(meta.slot_mapping)) are padding (models/llama.py padded_rows):
+    their K/V is not stored and their output is zero."""
+    num_tokens = meta.slot_mapping.shape[0]
+    write_kv(kv_cache, k[:num_tokens], v[:num_tokens], meta)
     out = torch.empty_like(q)
+    if q.shape[0] > num_tokens:
+        out[num_tokens:].zero_()
     nd = meta.num_decode_tokens
     if nd and _decode_kernel is not None and not q.is_cuda:
         out[:nd] = _decode_kernel(

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_decode_kernel
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
 from engine.models.loader import ModelArch
 from engine.sampler import Sampler, SampleRow, SamplingMetadata
 from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
@@ -162,6 +162,7 @@ class ModelRunner(PagedModel):
         self.rejection_sampler = RejectionSampler()
         ops = cpu_ops() if use_cpu_kernels else None
         use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
+        use_cpu_fused_ops(ops)
 
     @torch.inference_mode()
     def execute(

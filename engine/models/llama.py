@@ -12,6 +12,7 @@ goes through ``engine.attention.paged_attention`` with the step's ``AttentionMet
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import torch
@@ -48,6 +49,37 @@ def _onednn_linear_available() -> bool:
 
 
 _ONEDNN = _onednn_linear_available()
+
+_fused: ModuleType | None = None
+"""Compiled fused layers (kernels/cpu: rms_norm, fused_add_rms_norm, rotary_embedding,
+silu_and_mul), or None for the torch ops. Same rounding as the torch code below."""
+
+
+def use_cpu_fused_ops(ops: ModuleType | None) -> None:
+    """Run RMSNorm (+ residual add), RoPE and SiLU*up on CPU through the compiled fused kernels
+    (one pass over memory each instead of one per torch op), or through torch with None."""
+    global _fused
+    _fused = ops
+
+
+def _fusable(x: torch.Tensor) -> bool:
+    return _fused is not None and not x.is_cuda
+
+
+def padded_rows(n: int) -> int:
+    """The row count a CPU forward over n tokens runs at. oneDNN builds (and JITs) a GEMM
+    primitive for every new row count, 2-20 ms each in bf16, so unpadded the varying batch and
+    chunk sizes of a serving run kept paying it (~7 s of a 64-request benchmark run went to
+    it). Padding to ~50 sizes bounds that to a one-off cost; the extra rows are at most 12%
+    and cost nothing at the small, memory-bound sizes where they are relatively largest."""
+    if n <= 8:
+        return n
+    for step, limit in ((8, 64), (16, 256), (64, 1024)):
+        if n <= limit:
+            return -(-n // step) * step
+    return -(-n // 128) * 128
+
+
 # Below this many rows a float32 product is memory-bound and torch's own GEMV is the faster path.
 _ONEDNN_MIN_ROWS_FP32 = 8
 
@@ -102,9 +134,22 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, fill=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fusable(x) and x.is_contiguous():
+            return _fused.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). May reuse x's and residual's memory: both must
+        be fresh activations no one else holds."""
+        if _fusable(x) and x.is_contiguous() and residual.is_contiguous():
+            _fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = residual + x
+        return self(residual), residual
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
@@ -181,7 +226,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if _fusable(q):
+            _fused.rotary_embedding(q, k, cos, sin)  # in place, inside the fresh qkv output
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -194,7 +242,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(size, (arch.hidden_size,), arch.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if _fusable(gate_up):
+            return self.down_proj(_fused.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -208,14 +259,23 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from the sublayer output x (as vLLM does), so
+        each residual add is fused into the norm after it. Returns (mlp output, residual):
+        their sum is the layer's output hidden state. residual None: x is the embedding."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.add_and_norm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -258,18 +318,30 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of the flattened batch input_ids [T] at
         positions [T]; writes each layer's new K/V into kv_caches at meta.slot_mapping."""
+        num_tokens = input_ids.shape[0]
+        rows = num_tokens if input_ids.is_cuda else padded_rows(num_tokens)
+        if rows > num_tokens:  # padding rows: token 0 at position 0, no K/V written
+            input_ids = F.pad(input_ids, (0, rows - num_tokens))
+            positions = F.pad(positions, (0, rows - num_tokens))
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h = F.embedding(input_ids, self.model.embed_tokens.weight)
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)[:num_tokens]
+        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
+        n = hidden.shape[0]
+        rows = n if hidden.is_cuda else padded_rows(n)
+        if rows > n:
+            hidden = F.pad(hidden, (0, 0, 0, rows - n))
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)[:n].float()
         weight = self.model.embed_tokens.weight
-        return packed_linear(hidden, weight, self._packed_tied_head, None).float()
+        return packed_linear(hidden, weight, self._packed_tied_head, None)[:n].float()
 
     _packed_tied_head: torch.Tensor | None = None
 

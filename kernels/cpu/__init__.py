@@ -21,7 +21,7 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, "paged_attention.cpp")]
+_SOURCES = [os.path.join(_HERE, name) for name in ("paged_attention.cpp", "fused_ops.cpp")]
 # Built next to the checkout (gitignored /build/), so two checkouts never rebuild each other's.
 _BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", "cpu_kernels")
 
@@ -46,7 +46,13 @@ def cpu_ops() -> ModuleType | None:
             build_directory=_BUILD_DIR,
             name="pdserve_cpu_attention",
             sources=_SOURCES,
-            extra_cflags=["-O3", f"-march={_march()}", "-ffast-math", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                f"-march={_march()}",
+                "-ffast-math",
+                "-ffp-contract=off",
+                "-fopenmp",
+            ],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )

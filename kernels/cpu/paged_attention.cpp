@@ -10,6 +10,11 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <algorithm>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -104,6 +109,175 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
   for (int64_t i = 0; i < qd; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
+#if defined(__AVX512F__)
+// AVX-512 path (head_dim a multiple of 16). Per (request, kv head): scores for up to 16
+// positions at a time (one fp32 accumulator vector per position, then one transposing
+// reduction of the 16 vectors instead of 16 horizontal sums), a vectorised softmax, and
+// V rows accumulated into the group's outputs. bf16 rows are widened to fp32 once per tile and
+// reused by every query head of the group.
+
+// 16 bf16 values -> 16 floats (bf16 is the top half of an fp32).
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// r[i] = horizontal sum of v[i], for 16 vectors.
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[k]: each 128-bit lane m holds lane m's partial sums of v[4k .. 4k+3].
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44),
+                                   _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44),
+                                   _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                       _mm512_shuffle_f32x4(z01, z23, 0xDD));
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), Cephes' polynomial.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline void store_rounded(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store_rounded(c10::BFloat16* dst, __m512 v) {
+  for (int i = 0; i < 16; ++i) dst[i] = static_cast<c10::BFloat16>(reinterpret_cast<float*>(&v)[i]);
+}
+
+template <typename T, int kD>
+void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len, T* out,
+                       int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t block_size,
+                       float scale, std::vector<float>& work) {
+  static_assert(kD % 16 == 0 && kD > 0, "head_dim must be a multiple of 16");
+  constexpr int kC = kD / 16;  // vectors per row
+  const int64_t padded = (seq_len + 15) / 16 * 16 + block_size;
+  work.resize(group * kD * 2 + group * padded + 16 * kD);
+  float* qf = work.data();                 // [group, D], pre-scaled
+  float* acc = qf + group * kD;            // [group, D]
+  float* scores = acc + group * kD;        // [group, padded]
+  float* rows = scores + group * padded;   // [16, D]: one tile of K or V rows as float
+  for (int64_t i = 0; i < group * kD; ++i) {
+    qf[i] = to_float(q[i]) * scale;
+    acc[i] = 0.f;
+  }
+  const int64_t kv_stride = num_kv_heads * block_size * kD;
+  const int64_t block_stride = 2 * kv_stride;
+  const int64_t head_offset = kv_head * block_size * kD;
+  // Pointer to the first row of a tile: rows [start, start + n) all lie in one block.
+  auto tile = [&](int64_t start, int64_t& n, int64_t which) {
+    const int64_t b = start / block_size, in_block = start % block_size;
+    n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
+    return cache + table[b] * block_stride + which * kv_stride + head_offset + in_block * kD;
+  };
+  // The tile after [start, start + n) is in another block somewhere else in the cache: fetch
+  // it while this one is computed (the hardware prefetchers do not cross into it by themselves).
+  auto prefetch_next = [&](int64_t start, int64_t n, int64_t which) {
+    const int64_t next = start + n;
+    if (next >= seq_len) return;
+    int64_t m;
+    const char* p = reinterpret_cast<const char*>(tile(next, m, which));
+    for (int64_t off = 0; off < m * kD * static_cast<int64_t>(sizeof(T)); off += 64)
+      _mm_prefetch(p + off, _MM_HINT_T0);
+  };
+  auto widen = [&](const T* src, int64_t n) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      return src;
+    } else {
+      for (int64_t j = 0; j < n * kC; ++j) _mm512_storeu_ps(rows + 16 * j, load16(src + 16 * j));
+      return rows;
+    }
+  };
+  // scores[g, p] = q_g . k_p
+  for (int64_t start = 0; start < seq_len;) {
+    int64_t n;
+    const T* src = tile(start, n, 0);  // sets n
+    prefetch_next(start, n, 0);
+    const float* k = widen(src, n);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 qv[kC];
+      for (int c = 0; c < kC; ++c) qv[c] = _mm512_loadu_ps(qf + g * kD + 16 * c);
+      __m512 dots[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        if (j >= n) {
+          dots[j] = _mm512_setzero_ps();
+          continue;
+        }
+        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + j * kD));
+        for (int c = 1; c < kC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + j * kD + 16 * c), a);
+        dots[j] = a;
+      }
+      _mm512_storeu_ps(scores + g * padded + start, reduce16(dots));  // n valid, rest overwritten
+    }
+    start += n;
+  }
+  // softmax over the seq_len valid scores of each query head
+  const __mmask16 tail = static_cast<__mmask16>((1u << (seq_len % 16)) - 1);
+  const int64_t full = seq_len / 16 * 16;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t p = 0; p < full; p += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + p));
+    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+    __m512 sv = _mm512_setzero_ps();
+    for (int64_t p = 0; p < full; p += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + p), m));
+      _mm512_storeu_ps(s + p, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    if (tail) {
+      const __m512 e = _mm512_maskz_mov_ps(
+          tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m)));
+      _mm512_mask_storeu_ps(s + full, tail, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (int64_t p = 0; p < full + (tail ? 16 : 0); p += 16)
+      _mm512_storeu_ps(s + p, _mm512_mul_ps(_mm512_loadu_ps(s + p), inv));
+  }
+  // acc[g] = sum_p probs[g, p] * v_p
+  for (int64_t start = 0; start < seq_len;) {
+    int64_t n;
+    const T* src = tile(start, n, 1);  // sets n
+    prefetch_next(start, n, 1);
+    const float* v = widen(src, n);
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 av[kC];
+      for (int c = 0; c < kC; ++c) av[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
+      const float* pr = scores + g * padded + start;
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 w = _mm512_set1_ps(pr[j]);
+        for (int c = 0; c < kC; ++c) av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * kD + 16 * c), av[c]);
+      }
+      for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, av[c]);
+    }
+    start += n;
+  }
+  for (int64_t i = 0; i < group * kD; i += 16) store_rounded(out + i, _mm512_loadu_ps(acc + i));
+}
+#endif  // __AVX512F__
+
 template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
             const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
@@ -121,6 +295,14 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (r * num_q_heads + h * group) * head_dim;
+#if defined(__AVX512F__)
+      if constexpr (kD > 0 && kD % 16 == 0) {
+        decode_one_avx512<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride,
+                                 len_ptr[r], out_ptr + offset, h, num_kv_heads, group,
+                                 block_size, static_cast<float>(scale), work);
+        continue;
+      }
+#endif
       decode_one<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
                         out_ptr + offset, h, num_kv_heads, group, block_size, head_dim,
                         static_cast<float>(scale), work);
@@ -163,7 +345,20 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   return out;
 }
 
+// fused_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_and_mul(torch::Tensor x);
+bool fused_ops_vectorized();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged attention for single-token queries (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x, then x = RMSNorm(residual), both in place");
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place");
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
+  m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
 }

@@ -1,0 +1,290 @@
+// Fused elementwise layers for the CPU forward pass: each reads and writes its tensors once
+// instead of once per torch op (RMSNorm alone is seven ops in torch, each a pass over memory).
+//
+// Rounding follows the torch code they replace (engine/models/llama.py), so bf16 results stay
+// bit-identical wherever the float arithmetic is: values are computed in float32 and rounded
+// to the tensor dtype exactly where torch rounds them (after each bf16 op).
+//
+//   rms_norm(x [T, H], w [H], eps) -> w * to_dtype(x * rsqrt(mean(x^2) + eps))
+//   fused_add_rms_norm(x, residual, w, eps): residual = residual + x; x = rms_norm(residual)
+//   rotary_embedding(q [T, Hq, D], k [T, Hkv, D], cos [T, D/2], sin [T, D/2]): in place,
+//       rotate-half convention (Llama / Qwen / Mistral checkpoints)
+//   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using BF16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(BF16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+// The value torch would hold after storing x in dtype T (round to nearest even for bf16).
+template <typename T>
+inline float round_to(float x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x;
+  } else {
+    return to_float(static_cast<BF16>(x));
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr bool kVector = true;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const BF16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// fp32 -> bf16 bits, round to nearest even (NaN is not expected in activations).
+inline __m256i to_bf16_bits(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(BF16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_bits(v));
+}
+// The vector rounded as a bf16 store would round it.
+template <typename T>
+inline __m512 round16(__m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
+  }
+}
+// exp(x), Cephes' polynomial on the reduced argument, 2^n applied by scalef.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+#else
+constexpr bool kVector = false;
+#endif
+
+// Rows per parallel task: enough work that waking the second thread pays off.
+inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768 / row_elems); }
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= h; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < h; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= h; i += 16)
+    store16(out + i, _mm512_mul_ps(load16(w + i), round16<T>(_mm512_mul_ps(load16(x + i), rv))));
+#endif
+  for (; i < h; ++i) out[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(x[i]) * r));
+}
+
+template <typename T>
+void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      rms_norm_row<T>(xp + t * h, wp, op + t * h, h, static_cast<float>(eps));
+  });
+}
+
+// residual = residual + x (rounded to T); x = rms_norm(residual)
+template <typename T>
+void fused_add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w,
+                             double eps) {
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* xr = xp + t * h;
+      T* rr = rp + t * h;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= h; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#endif
+      for (; i < h; ++i) rr[i] = static_cast<T>(to_float(rr[i]) + to_float(xr[i]));
+      rms_norm_row<T>(rr, wp, xr, h, static_cast<float>(eps));
+    }
+  });
+}
+
+// ---------------------------------------------------------------- RoPE
+
+// x [T, H, D] with any token / head strides and a contiguous last dim, rotated in place.
+template <typename T>
+void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
+  const int64_t ts = x.stride(0), hs = x.stride(1);
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  at::parallel_for(0, tokens, grain_rows(heads * half * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * half;
+      const T* s = sp + t * half;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* x1 = xp + t * ts + hd * hs;
+        T* x2 = x1 + half;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 a = load16(x1 + i), b = load16(x2 + i);
+          const __m512 cv = load16(c + i), sv = load16(s + i);
+          // torch rounds each product, then the sum (bf16); no fused multiply-add here.
+          const __m512 o1 = _mm512_sub_ps(round16<T>(_mm512_mul_ps(a, cv)),
+                                          round16<T>(_mm512_mul_ps(b, sv)));
+          const __m512 o2 = _mm512_add_ps(round16<T>(_mm512_mul_ps(b, cv)),
+                                          round16<T>(_mm512_mul_ps(a, sv)));
+          store16(x1 + i, o1);
+          store16(x2 + i, o2);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float a = to_float(x1[i]), b = to_float(x2[i]);
+          const float cv = to_float(c[i]), sv = to_float(s[i]);
+          const float p1 = round_to<T>(a * cv), p2 = round_to<T>(b * sv);
+          const float p3 = round_to<T>(b * cv), p4 = round_to<T>(a * sv);
+          x1[i] = static_cast<T>(p1 - p2);
+          x2[i] = static_cast<T>(p3 + p4);
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- SiLU * up
+
+template <typename T>
+void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, grain_rows(3 * d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = xp + t * 2 * d;
+      const T* up = gate + d;
+      T* o = op + t * d;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= d; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        store16(o + i, _mm512_mul_ps(round16<T>(silu), load16(up + i)));
+      }
+#endif
+      for (; i < d; ++i) {
+        const float g = to_float(gate[i]);
+        o[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+      }
+    }
+  });
+}
+
+void check_cpu(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+              " must be float32 or bfloat16");
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous inputs");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
+              "weight must be [hidden] in x's dtype");
+  auto out = torch::empty_like(x);
+  if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, weight, out, eps);
+  else rms_norm_impl<BF16>(x, weight, out, eps);
+  return out;
+}
+
+void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "fused_add_rms_norm needs contiguous inputs");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
+              "weight must be [hidden] in x's dtype");
+  if (x.scalar_type() == torch::kFloat32) fused_add_rms_norm_impl<float>(x, residual, weight, eps);
+  else fused_add_rms_norm_impl<BF16>(x, residual, weight, eps);
+}
+
+void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
+              "q and k must be [tokens, heads, head_dim] with a contiguous last dim");
+  TORCH_CHECK(q.size(2) % 2 == 0 && k.size(2) == q.size(2), "head_dim must be even and shared");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == q.size(0) &&
+                  cos.size(1) == q.size(2) / 2 && sin.sizes() == cos.sizes(),
+              "cos / sin must be [tokens, head_dim / 2]");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
+                  sin.scalar_type() == q.scalar_type(),
+              "q, k, cos and sin must share a dtype");
+  if (q.scalar_type() == torch::kFloat32) {
+    rope_impl<float>(q, cos, sin);
+    rope_impl<float>(k, cos, sin);
+  } else {
+    rope_impl<BF16>(q, cos, sin);
+    rope_impl<BF16>(k, cos, sin);
+  }
+}
+
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "x must be contiguous [..., 2 * d]");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = torch::empty(sizes, x.options());
+  if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
+  else silu_and_mul_impl<BF16>(x, out);
+  return out;
+}
+
+bool fused_ops_vectorized() { return kVector; }
