@@ -190,15 +190,24 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
     n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
     return cache + table[b] * block_stride + which * kv_stride + head_offset + in_block * kD;
   };
-  // The tile after [start, start + n) is in another block somewhere else in the cache: fetch
-  // it while this one is computed (the hardware prefetchers do not cross into it by themselves).
-  auto prefetch_next = [&](int64_t start, int64_t n, int64_t which) {
-    const int64_t next = start + n;
-    if (next >= seq_len) return;
-    int64_t m;
-    const char* p = reinterpret_cast<const char*>(tile(next, m, which));
-    for (int64_t off = 0; off < m * kD * static_cast<int64_t>(sizeof(T)); off += 64)
-      _mm_prefetch(p + off, _MM_HINT_T0);
+  // Each block's rows of this head are a short run (2-8 KiB) somewhere else in the cache: the
+  // hardware prefetchers barely start on one before it ends, so the loads stall on memory.
+  // Prefetch kAhead block-slices ahead, over the sequence K of every block, then V of every
+  // block (so the V pass starts warm).
+  constexpr int64_t kAhead = 4;
+  const int64_t num_seq_blocks = (seq_len + block_size - 1) / block_size;
+  const int64_t slice_bytes = block_size * kD * static_cast<int64_t>(sizeof(T));
+  auto prefetch_slice = [&](int64_t i) {
+    if (i >= 2 * num_seq_blocks) return;
+    const int64_t which = i >= num_seq_blocks ? 1 : 0;
+    const char* p = reinterpret_cast<const char*>(
+        cache + table[i - which * num_seq_blocks] * block_stride + which * kv_stride + head_offset);
+    for (int64_t off = 0; off < slice_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  };
+  for (int64_t i = 1; i < kAhead; ++i) prefetch_slice(i);
+  // At the first tile of each block: fetch the slice kAhead blocks further on.
+  auto prefetch_next = [&](int64_t start, int64_t which) {
+    if (start % block_size == 0) prefetch_slice(which * num_seq_blocks + start / block_size + kAhead);
   };
   auto widen = [&](const T* src, int64_t n) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
@@ -212,7 +221,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
   for (int64_t start = 0; start < seq_len;) {
     int64_t n;
     const T* src = tile(start, n, 0);  // sets n
-    prefetch_next(start, n, 0);
+    prefetch_next(start, 0);
     const float* k = widen(src, n);
     for (int64_t g = 0; g < group; ++g) {
       __m512 qv[kC];
@@ -260,7 +269,7 @@ void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t
   for (int64_t start = 0; start < seq_len;) {
     int64_t n;
     const T* src = tile(start, n, 1);  // sets n
-    prefetch_next(start, n, 1);
+    prefetch_next(start, 1);
     const float* v = widen(src, n);
     for (int64_t g = 0; g < group; ++g) {
       __m512 av[kC];
