@@ -110,11 +110,11 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
 }
 
 #if defined(__AVX512F__)
-// AVX-512 path (head_dim a multiple of 16). Per (request, kv head): scores for up to 16
-// positions at a time (one fp32 accumulator vector per position, then one transposing
-// reduction of the 16 vectors instead of 16 horizontal sums), a vectorised softmax, and
-// V rows accumulated into the group's outputs. bf16 rows are widened to fp32 once per tile and
-// reused by every query head of the group.
+// AVX-512 path (head_dim a multiple of 16): scores for up to 16 positions at a time (one fp32
+// accumulator vector per position, then one transposing reduction of the 16 vectors instead of
+// 16 horizontal sums), a vectorised online softmax, and V rows accumulated into the outputs of
+// the query heads of a kv head. bf16 rows are widened to fp32 once per tile and reused by every
+// query head of the group.
 
 // 16 bf16 values -> 16 floats (bf16 is the top half of an fp32).
 inline __m512 load16(const c10::BFloat16* p) {
@@ -165,125 +165,143 @@ inline void store_rounded(c10::BFloat16* dst, __m512 v) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<c10::BFloat16>(reinterpret_cast<float*>(&v)[i]);
 }
 
+// One request, kv heads [h_begin, h_end): blocks outer, heads inner, so the cache is read in
+// block order (a block's K of all heads is one contiguous run, its V the next), and each block
+// is read once, K and V together, with an online softmax (running max and sum per query head,
+// the accumulator rescaled when the max grows). A block's rows of one head are too short a run
+// (2-8 KiB) for the hardware prefetchers, so blocks kAhead ahead are prefetched explicitly.
 template <typename T, int kD>
-void decode_one_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len, T* out,
-                       int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t block_size,
-                       float scale, std::vector<float>& work) {
+void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
+                         T* out, int64_t h_begin, int64_t h_end, int64_t num_kv_heads,
+                         int64_t group, int64_t block_size, float scale,
+                         std::vector<float>& work) {
   static_assert(kD % 16 == 0 && kD > 0, "head_dim must be a multiple of 16");
   constexpr int kC = kD / 16;  // vectors per row
-  const int64_t padded = (seq_len + 15) / 16 * 16 + block_size;
-  work.resize(group * kD * 2 + group * padded + 16 * kD);
-  float* qf = work.data();                 // [group, D], pre-scaled
-  float* acc = qf + group * kD;            // [group, D]
-  float* scores = acc + group * kD;        // [group, padded]
-  float* rows = scores + group * padded;   // [16, D]: one tile of K or V rows as float
-  for (int64_t i = 0; i < group * kD; ++i) {
+  constexpr int64_t kAhead = 4;
+  constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
+  const int64_t nq = (h_end - h_begin) * group;  // query heads handled here
+  work.resize(2 * nq * kD + 2 * nq + 16 * kD);
+  float* qf = work.data();          // [nq, D], pre-scaled
+  float* acc = qf + nq * kD;        // [nq, D]
+  float* run_max = acc + nq * kD;   // [nq]
+  float* run_sum = run_max + nq;    // [nq]
+  float* krows = run_sum + nq;      // [16, D]: one tile of K rows as float
+  for (int64_t i = 0; i < nq * kD; ++i) {
     qf[i] = to_float(q[i]) * scale;
     acc[i] = 0.f;
   }
-  const int64_t kv_stride = num_kv_heads * block_size * kD;
+  for (int64_t i = 0; i < nq; ++i) {
+    run_max[i] = kNoScore;
+    run_sum[i] = 0.f;
+  }
+  const int64_t head_stride = block_size * kD;
+  const int64_t kv_stride = num_kv_heads * head_stride;  // K -> V of one block
   const int64_t block_stride = 2 * kv_stride;
-  const int64_t head_offset = kv_head * block_size * kD;
-  // Pointer to the first row of a tile: rows [start, start + n) all lie in one block.
-  auto tile = [&](int64_t start, int64_t& n, int64_t which) {
-    const int64_t b = start / block_size, in_block = start % block_size;
-    n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
-    return cache + table[b] * block_stride + which * kv_stride + head_offset + in_block * kD;
-  };
-  // Each block's rows of this head are a short run (2-8 KiB) somewhere else in the cache: the
-  // hardware prefetchers barely start on one before it ends, so the loads stall on memory.
-  // Prefetch kAhead block-slices ahead, over the sequence K of every block, then V of every
-  // block (so the V pass starts warm).
-  constexpr int64_t kAhead = 4;
   const int64_t num_seq_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t slice_bytes = block_size * kD * static_cast<int64_t>(sizeof(T));
-  auto prefetch_slice = [&](int64_t i) {
-    if (i >= 2 * num_seq_blocks) return;
-    const int64_t which = i >= num_seq_blocks ? 1 : 0;
-    const char* p = reinterpret_cast<const char*>(
-        cache + table[i - which * num_seq_blocks] * block_stride + which * kv_stride + head_offset);
-    for (int64_t off = 0; off < slice_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  const int64_t run_bytes = (h_end - h_begin) * head_stride * static_cast<int64_t>(sizeof(T));
+  auto prefetch_block = [&](int64_t b) {
+    if (b >= num_seq_blocks) return;
+    const T* k = cache + table[b] * block_stride + h_begin * head_stride;
+    for (const T* kv : {k, k + kv_stride}) {
+      const char* p = reinterpret_cast<const char*>(kv);
+      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
   };
-  for (int64_t i = 1; i < kAhead; ++i) prefetch_slice(i);
-  // At the first tile of each block: fetch the slice kAhead blocks further on.
-  auto prefetch_next = [&](int64_t start, int64_t which) {
-    if (start % block_size == 0) prefetch_slice(which * num_seq_blocks + start / block_size + kAhead);
-  };
-  auto widen = [&](const T* src, int64_t n) -> const float* {
+  auto widen = [](const T* src, int64_t n, float* dst) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
       return src;
     } else {
-      for (int64_t j = 0; j < n * kC; ++j) _mm512_storeu_ps(rows + 16 * j, load16(src + 16 * j));
-      return rows;
+      for (int64_t j = 0; j < n * kC; ++j) _mm512_storeu_ps(dst + 16 * j, load16(src + 16 * j));
+      return dst;
     }
   };
-  // scores[g, p] = q_g . k_p
+  for (int64_t b = 1; b < kAhead; ++b) prefetch_block(b);
   for (int64_t start = 0; start < seq_len;) {
-    int64_t n;
-    const T* src = tile(start, n, 0);  // sets n
-    prefetch_next(start, 0);
-    const float* k = widen(src, n);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 qv[kC];
-      for (int c = 0; c < kC; ++c) qv[c] = _mm512_loadu_ps(qf + g * kD + 16 * c);
-      __m512 dots[16];
-      for (int64_t j = 0; j < 16; ++j) {
-        if (j >= n) {
-          dots[j] = _mm512_setzero_ps();
-          continue;
+    const int64_t b = start / block_size, in_block = start % block_size;
+    const int64_t n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
+    if (in_block == 0) prefetch_block(b + kAhead);
+    const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+    const T* block = cache + table[b] * block_stride + in_block * kD;
+    for (int64_t h = h_begin; h < h_end; ++h) {
+      const T* k_raw = block + h * head_stride;
+#if defined(__AVX512BF16__)
+      // bf16: q . k straight from the cache with the bf16 dot-product instruction (products
+      // exact in fp32, fp32 sums), no widening pass over K.
+      constexpr bool kDotBf16 = std::is_same_v<T, c10::BFloat16>;
+#else
+      constexpr bool kDotBf16 = false;
+#endif
+      const float* k = kDotBf16 ? nullptr : widen(k_raw, n, krows);
+      const T* v = block + h * head_stride + kv_stride;  // rows widened as they are used
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t qi = (h - h_begin) * group + g;
+        __m512 dots[16];
+        if constexpr (kDotBf16) {
+#if defined(__AVX512BF16__)
+          constexpr int kP = kD / 32;  // 32-element bf16 vectors per row (kD % 32 != 0: tail)
+          constexpr bool kTail = kD % 32 != 0;
+          const T* qrow = q + qi * kD;
+          __m512bh qv[kP + 1];
+          for (int c = 0; c < kP; ++c)
+            qv[c] = (__m512bh)_mm512_loadu_si512(qrow + 32 * c);
+          if constexpr (kTail)
+            qv[kP] = (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(qrow + 32 * kP)));
+          for (int64_t j = 0; j < 16; ++j) {
+            __m512 a = _mm512_setzero_ps();
+            if (j < n) {
+              const T* krow = k_raw + j * kD;
+              for (int c = 0; c < kP; ++c)
+                a = _mm512_dpbf16_ps(a, qv[c], (__m512bh)_mm512_loadu_si512(krow + 32 * c));
+              if constexpr (kTail)
+                a = _mm512_dpbf16_ps(a, qv[kP], (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256(
+                                                  reinterpret_cast<const __m256i*>(krow + 32 * kP))));
+            }
+            dots[j] = a;
+          }
+#endif
+        } else {
+          __m512 qv[kC];
+          for (int c = 0; c < kC; ++c) qv[c] = _mm512_loadu_ps(qf + qi * kD + 16 * c);
+          for (int64_t j = 0; j < 16; ++j) {
+            if (j >= n) {
+              dots[j] = _mm512_setzero_ps();
+              continue;
+            }
+            __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + j * kD));
+            for (int c = 1; c < kC; ++c)
+              a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + j * kD + 16 * c), a);
+            dots[j] = a;
+          }
         }
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + j * kD));
-        for (int c = 1; c < kC; ++c) a = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + j * kD + 16 * c), a);
-        dots[j] = a;
+        __m512 raw = reduce16(dots);
+        if constexpr (kDotBf16) raw = _mm512_mul_ps(raw, _mm512_set1_ps(scale));  // q unscaled
+        const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNoScore), raw);
+        const float new_max = std::max(run_max[qi], _mm512_reduce_max_ps(scores));
+        const __m512 p = _mm512_maskz_mov_ps(
+            valid, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+        // exp(old max - new max): 1 while the max holds, ~0 on the first tile
+        const __m512 rescale = exp_nonpositive(_mm512_set1_ps(run_max[qi] - new_max));
+        run_sum[qi] = run_sum[qi] * _mm512_cvtss_f32(rescale) + _mm512_reduce_add_ps(p);
+        run_max[qi] = new_max;
+        __m512 av[kC];
+        for (int c = 0; c < kC; ++c)
+          av[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + qi * kD + 16 * c), rescale);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m512 w = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(j)), p);
+          for (int c = 0; c < kC; ++c)
+            av[c] = _mm512_fmadd_ps(w, load16(v + j * kD + 16 * c), av[c]);
+        }
+        for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + qi * kD + 16 * c, av[c]);
       }
-      _mm512_storeu_ps(scores + g * padded + start, reduce16(dots));  // n valid, rest overwritten
     }
     start += n;
   }
-  // softmax over the seq_len valid scores of each query head
-  const __mmask16 tail = static_cast<__mmask16>((1u << (seq_len % 16)) - 1);
-  const int64_t full = seq_len / 16 * 16;
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * padded;
-    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t p = 0; p < full; p += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + p));
-    if (tail) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, s + full));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-    __m512 sv = _mm512_setzero_ps();
-    for (int64_t p = 0; p < full; p += 16) {
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + p), m));
-      _mm512_storeu_ps(s + p, e);
-      sv = _mm512_add_ps(sv, e);
-    }
-    if (tail) {
-      const __m512 e = _mm512_maskz_mov_ps(
-          tail, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m)));
-      _mm512_mask_storeu_ps(s + full, tail, e);
-      sv = _mm512_add_ps(sv, e);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
-    for (int64_t p = 0; p < full + (tail ? 16 : 0); p += 16)
-      _mm512_storeu_ps(s + p, _mm512_mul_ps(_mm512_loadu_ps(s + p), inv));
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const __m512 inv = _mm512_set1_ps(1.f / run_sum[qi]);
+    for (int c = 0; c < kC; ++c)
+      store_rounded(out + qi * kD + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + qi * kD + 16 * c), inv));
   }
-  // acc[g] = sum_p probs[g, p] * v_p
-  for (int64_t start = 0; start < seq_len;) {
-    int64_t n;
-    const T* src = tile(start, n, 1);  // sets n
-    prefetch_next(start, 1);
-    const float* v = widen(src, n);
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 av[kC];
-      for (int c = 0; c < kC; ++c) av[c] = _mm512_loadu_ps(acc + g * kD + 16 * c);
-      const float* pr = scores + g * padded + start;
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 w = _mm512_set1_ps(pr[j]);
-        for (int c = 0; c < kC; ++c) av[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + j * kD + 16 * c), av[c]);
-      }
-      for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + g * kD + 16 * c, av[c]);
-    }
-    start += n;
-  }
-  for (int64_t i = 0; i < group * kD; i += 16) store_rounded(out + i, _mm512_loadu_ps(acc + i));
 }
 #endif  // __AVX512F__
 
@@ -299,19 +317,32 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t table_stride = tables.size(1);
+#if defined(__AVX512F__)
+  if constexpr (kD > 0 && kD % 16 == 0) {
+    // A task is a request (all its kv heads, read block by block) when there are enough of
+    // them to keep every thread busy, else one (request, kv head).
+    const bool per_request = num_reqs >= 4 * at::get_num_threads();
+    const int64_t heads_per_task = per_request ? num_kv_heads : 1;
+    const int64_t tasks_per_req = num_kv_heads / heads_per_task;
+    at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> work;  // per thread, reused across tasks
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
+        const int64_t offset = (r * num_q_heads + h0 * group) * head_dim;
+        decode_heads_avx512<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride,
+                                   len_ptr[r], out_ptr + offset, h0, h0 + heads_per_task,
+                                   num_kv_heads, group, block_size, static_cast<float>(scale),
+                                   work);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t offset = (r * num_q_heads + h * group) * head_dim;
-#if defined(__AVX512F__)
-      if constexpr (kD > 0 && kD % 16 == 0) {
-        decode_one_avx512<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride,
-                                 len_ptr[r], out_ptr + offset, h, num_kv_heads, group,
-                                 block_size, static_cast<float>(scale), work);
-        continue;
-      }
-#endif
       decode_one<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
                         out_ptr + offset, h, num_kv_heads, group, block_size, head_dim,
                         static_cast<float>(scale), work);

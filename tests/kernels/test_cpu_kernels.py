@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import attention
 from engine.attention import AttentionMetadata, paged_attention
+from engine.models.llama import apply_rope
 from kernels.cpu import cpu_ops
 
 
@@ -27,8 +29,8 @@ def dense_decode(q, keys, values, scale):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 32), (6, 6, 48)])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 32), (6, 6, 48), (6, 2, 128)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decode_kernel_matches_dense_and_torch_path(ops, dtype, hq, hkv, d, block_size):
     g = torch.Generator().manual_seed(hq * 1000 + d + block_size)
     num_blocks = 64
@@ -92,3 +94,68 @@ def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
     assert calls == [torch.Size([1, 2, 8])]
     # one key: attention returns its value for every query head
     torch.testing.assert_close(out[0], v[0].expand(2, 8))
+
+
+def torch_rms_norm(x, w, eps):
+    """engine/models/llama.py RMSNorm's torch path."""
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 768), (37, 512), (5, 40)])
+def test_fused_layers_match_torch(ops, dtype, tokens, hidden):
+    """bf16: bit-identical to the torch ops (same roundings) except silu, whose exp differs in
+    the last float bit; fp32: within float rounding."""
+    g = torch.Generator().manual_seed(tokens * 7 + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    res = torch.randn(tokens, hidden, generator=g).to(dtype)
+    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5), **exact)
+
+    xx, rr = x.clone(), res.clone()
+    ops.fused_add_rms_norm(xx, rr, w, 1e-5)
+    torch.testing.assert_close(rr, res + x, atol=0, rtol=0)
+    torch.testing.assert_close(xx, torch_rms_norm(res + x, w, 1e-5), **exact)
+
+    gate_up = torch.randn(tokens, 2 * hidden, generator=g).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    got = ops.silu_and_mul(gate_up)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    if dtype == torch.bfloat16:
+        assert (got != want).float().mean() < 0.01, "only last-bit differences"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(12, 4, 64), (4, 2, 40)])
+def test_rotary_embedding_in_place_on_qkv_views(ops, dtype, hq, hkv, d):
+    g = torch.Generator().manual_seed(hq + d)
+    tokens = 9
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(tokens, hq, d), k.view(tokens, hkv, d)
+    cos = torch.randn(tokens, d // 2, generator=g).to(dtype)
+    sin = torch.randn(tokens, d // 2, generator=g).to(dtype)
+    want_q, want_k, want_v = apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.clone()
+    ops.rotary_embedding(q, k, cos, sin)
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0)
+    torch.testing.assert_close(k, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v, want_v, atol=0, rtol=0)  # v, between them in memory, untouched
+
+
+def test_fused_layers_reject_bad_input(ops):
+    x = torch.randn(4, 16)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.rms_norm(x, torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.rms_norm(x.t(), torch.ones(4), 1e-5)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_and_mul(x.double())
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.fused_add_rms_norm(x, torch.randn(4, 8), torch.ones(16), 1e-5)
+    q = torch.randn(2, 2, 8)
+    with pytest.raises(RuntimeError, match="cos / sin"):
+        ops.rotary_embedding(q, q.clone(), torch.randn(2, 3), torch.randn(2, 3))

@@ -16,10 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine import attention
 from engine.attention import AttentionMetadata, PrefillSeq
+from engine.models import llama
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, parse_model_arch
 from engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from kernels.cpu import cpu_ops
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BLOCK_SIZE = 16
@@ -135,13 +138,29 @@ def loaded(tiny_model_dir: Callable[[str], str]) -> Callable[[str], tuple[str, L
     return get
 
 
+@pytest.fixture(params=["torch_ops", "cpu_kernels"])
+def layer_kernels(request):
+    """Runs a test once on the pure-torch layers and once on the compiled CPU kernels (fused
+    RMSNorm / RoPE / SiLU*up and the decode attention kernel), restoring the previous choice."""
+    ops = None
+    if request.param == "cpu_kernels":
+        ops = cpu_ops()
+        assert ops is not None, "the CPU kernels must build on this machine (gcc + ninja)"
+    saved = llama._fused, attention._decode_kernel
+    llama.use_cpu_fused_ops(ops)
+    attention.use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
+    yield request.param
+    llama.use_cpu_fused_ops(saved[0])
+    attention.use_cpu_decode_kernel(saved[1])
+
+
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
     diff = (ours - ref).abs().max().item()
     assert diff <= atol, f"max abs logit diff {diff:.3g} > {atol}"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_prefill_matches_hf(arch: str, loaded: Callable) -> None:
+def test_prefill_matches_hf(arch: str, loaded: Callable, layer_kernels: str) -> None:
     model_dir, model = loaded(arch)
     prompts = {f"p{n}": random_ids(n, 2000, seed=n) for n in (1, 7, 33, 300)}
     runner = PagedSeqs(model)
@@ -153,7 +172,9 @@ def test_prefill_matches_hf(arch: str, loaded: Callable) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_and_batched_decode_match_hf(arch: str, loaded: Callable) -> None:
+def test_chunked_prefill_and_batched_decode_match_hf(
+    arch: str, loaded: Callable, layer_kernels: str
+) -> None:
     model_dir, model = loaded(arch)
     a, b, c = random_ids(40, 2000, 1), random_ids(21, 2000, 2), random_ids(3, 2000, 3)
     runner = PagedSeqs(model)
@@ -339,3 +360,30 @@ def test_float16_checkpoint_auto_is_bfloat16(tiny_llama: str, tmp_path) -> None:
     assert model.model.norm.weight.dtype == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         load_model(model_dir, "float16")
+
+
+def test_padded_rows_buckets() -> None:
+    sizes = {llama.padded_rows(n) for n in range(1, 4097)}
+    assert len(sizes) <= 80, "few distinct GEMM shapes"
+    for n in range(1, 4097):
+        rows = llama.padded_rows(n)
+        assert n <= rows and (n <= 8 or rows <= n * 1.125 + 8), (n, rows)
+        assert llama.padded_rows(rows) == rows
+
+
+def test_padding_rows_change_nothing(loaded: Callable, monkeypatch) -> None:
+    """The same step with and without padding rows: equal logits, equal K/V, and the padding
+    rows write nothing (the null block stays zero)."""
+    _, model = loaded("qwen3")
+    prompts = [("a", random_ids(3, 2000, 7)), ("b", random_ids(10, 2000, 8))]  # 13 -> 16 rows
+    assert llama.padded_rows(13) == 16
+    padded = PagedSeqs(model)
+    got_padded = padded.step(prompts)
+    monkeypatch.setattr(llama, "padded_rows", lambda n: n)
+    plain = PagedSeqs(model)
+    got_plain = plain.step(prompts)
+    for a, b in zip(got_padded, got_plain, strict=True):
+        assert_close(a, b, atol=1e-5)
+    for cache_p, cache_u in zip(padded.kv_caches, plain.kv_caches, strict=True):
+        assert not cache_p[0].any(), "padding rows must not write into the null block"
+        torch.testing.assert_close(cache_p, cache_u, atol=1e-5, rtol=1e-5)
