@@ -69,15 +69,10 @@ def _fusable(x: torch.Tensor) -> bool:
 def padded_rows(n: int) -> int:
     """The row count a CPU forward over n tokens runs at. oneDNN builds (and JITs) a GEMM
     primitive for every new row count, 2-20 ms each in bf16, so unpadded the varying batch and
-    chunk sizes of a serving run kept paying it (~7 s of a 64-request benchmark run went to
-    it). Padding to ~50 sizes bounds that to a one-off cost; the extra rows are at most 12%
-    and cost nothing at the small, memory-bound sizes where they are relatively largest."""
-    if n <= 8:
-        return n
-    for step, limit in ((8, 64), (16, 256), (64, 1024)):
-        if n <= limit:
-            return -(-n // step) * step
-    return -(-n // 128) * 128
+    chunk sizes of a serving run kept paying it. Rounding up to 8 sizes per power of two bounds
+    the shapes (~70 up to 2048 rows) and the extra rows to under 12.5%."""
+    step = 1 << max(0, n.bit_length() - 4)
+    return -(-n // step) * step
 
 
 # Below this many rows a float32 product is memory-bound and torch's own GEMV is the faster path.
@@ -134,8 +129,9 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, fill=1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fusable(x) and x.is_contiguous():
-            return _fused.rms_norm(x, self.weight, self.eps)
+        # Always the torch ops: this plain norm runs once per forward (the embedding's; q/k norms
+        # are strided views), and the same ops as transformers keep float32 logits within 1e-4
+        # of its (the random test models amplify even an ulp of difference here).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)

@@ -1,7 +1,9 @@
-"""CPU kernels compiled on first use (torch.utils.cpp_extension, cached across runs).
+"""CPU kernels compiled on first use (torch.utils.cpp_extension, cached across runs): paged
+decode attention (paged_attention.cpp) and the fused RMSNorm / residual-add + RMSNorm / RoPE /
+SiLU*up layers (fused_ops.cpp), AVX-512 where the compiler targets it, scalar otherwise.
 
 If the build is impossible (no compiler, no ninja), the engine falls back to its pure-torch
-attention and logs why once.
+layers and logs why once.
 
 A prebuilt module (a container image builds it in its build stage) loads without a compiler:
 torch re-emits build.ninja and runs ninja, which finds every output up to date, as long as the
@@ -33,7 +35,8 @@ def _march() -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (paged_decode_attention), or None if it cannot be built.
+    """The compiled module (paged_decode_attention, rms_norm, fused_add_rms_norm,
+    rotary_embedding, silu_and_mul), or None if it cannot be built.
     Set PDSERVE_CPU_KERNELS=0 to force the pure-torch path."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None

@@ -1,5 +1,6 @@
 // Paged attention decode on the CPU: one query token per request, reading K and V straight out
-// of the paged cache (no gather copy), fp32 accumulation, parallel over (request, kv head).
+// of the paged cache (no gather copy), fp32 accumulation, parallel over requests (or over
+// (request, kv head) when there are few requests). Fused elementwise layers: fused_ops.cpp.
 //
 // Layout (engine/attention.py): kv_cache [num_blocks, 2, num_kv_heads, block_size, head_dim],
 // block_tables [num_requests, max_blocks] int64 (padded with the null block 0),
@@ -168,8 +169,8 @@ inline void store_rounded(c10::BFloat16* dst, __m512 v) {
 // One request, kv heads [h_begin, h_end): blocks outer, heads inner, so the cache is read in
 // block order (a block's K of all heads is one contiguous run, its V the next), and each block
 // is read once, K and V together, with an online softmax (running max and sum per query head,
-// the accumulator rescaled when the max grows). A block's rows of one head are too short a run
-// (2-8 KiB) for the hardware prefetchers, so blocks kAhead ahead are prefetched explicitly.
+// the accumulator rescaled when the max grows). (Software prefetching of the blocks ahead was
+// tried and measured no faster here.)
 template <typename T, int kD>
 void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
                          T* out, int64_t h_begin, int64_t h_end, int64_t num_kv_heads,
@@ -177,7 +178,6 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
                          std::vector<float>& work) {
   static_assert(kD % 16 == 0 && kD > 0, "head_dim must be a multiple of 16");
   constexpr int kC = kD / 16;  // vectors per row
-  constexpr int64_t kAhead = 4;
   constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
   const int64_t nq = (h_end - h_begin) * group;  // query heads handled here
   work.resize(2 * nq * kD + 2 * nq + 16 * kD);
@@ -197,16 +197,6 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
   const int64_t head_stride = block_size * kD;
   const int64_t kv_stride = num_kv_heads * head_stride;  // K -> V of one block
   const int64_t block_stride = 2 * kv_stride;
-  const int64_t num_seq_blocks = (seq_len + block_size - 1) / block_size;
-  const int64_t run_bytes = (h_end - h_begin) * head_stride * static_cast<int64_t>(sizeof(T));
-  auto prefetch_block = [&](int64_t b) {
-    if (b >= num_seq_blocks) return;
-    const T* k = cache + table[b] * block_stride + h_begin * head_stride;
-    for (const T* kv : {k, k + kv_stride}) {
-      const char* p = reinterpret_cast<const char*>(kv);
-      for (int64_t off = 0; off < run_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    }
-  };
   auto widen = [](const T* src, int64_t n, float* dst) -> const float* {
     if constexpr (std::is_same_v<T, float>) {
       return src;
@@ -215,11 +205,9 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
       return dst;
     }
   };
-  for (int64_t b = 1; b < kAhead; ++b) prefetch_block(b);
   for (int64_t start = 0; start < seq_len;) {
     const int64_t b = start / block_size, in_block = start % block_size;
     const int64_t n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
-    if (in_block == 0) prefetch_block(b + kAhead);
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     const T* block = cache + table[b] * block_stride + in_block * kD;
     for (int64_t h = h_begin; h < h_end; ++h) {
