@@ -113,6 +113,9 @@ class Child:
     """host:port of its Prometheus /metrics (the gateway: its HTTP port)."""
 
 
+_START_ATTEMPTS = 3
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -187,18 +190,40 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
     return children
 
 
+class StartupDeath(RuntimeError):
+    """A child exited before the stack was up (e.g. a port taken between pick and bind)."""
+
+
+def _node_serving(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=2.0
+            )
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def wait_healthy(url: str, children: list[Child], timeout_s: float) -> None:
+    """Until the gateway's /health is 200 and every node reports SERVING (gRPC health)."""
     deadline = time.monotonic() + timeout_s
+    pending = [c for c in children if c.name != "gateway"]
     while time.monotonic() < deadline:
         dead = [c.name for c in children if c.process.poll() is not None]
         if dead:
-            raise RuntimeError(f"{', '.join(dead)} exited during startup")
-        try:
-            with urllib.request.urlopen(url, timeout=2.0) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, OSError):
-            pass
+            raise StartupDeath(f"{', '.join(dead)} exited during startup")
+        pending = [c for c in pending if not _node_serving(c.address)]
+        if not pending:
+            try:
+                with urllib.request.urlopen(url, timeout=2.0) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
         time.sleep(0.25)
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
@@ -229,11 +254,24 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    children = start_stack(args)
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    base = f"http://{host}:{args.port}"
+    for attempt in range(1, _START_ATTEMPTS + 1):
+        children = start_stack(args)
+        try:
+            wait_healthy(f"{base}/health", children, args.startup_timeout_s)
+            break
+        except StartupDeath as exc:
+            # Ports are picked free, then bound by the children: another process can take one
+            # in between. Start everything again on fresh ports.
+            stop_stack(children)
+            if attempt == _START_ATTEMPTS:
+                raise
+            logger.warning("%s; starting the stack again (attempt %d)", exc, attempt + 1)
+        except BaseException:
+            stop_stack(children)
+            raise
     try:
-        host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        base = f"http://{host}:{args.port}"
-        wait_healthy(f"{base}/health", children, args.startup_timeout_s)
         logger.info("pdserve is up: OpenAI REST %s/v1, gRPC %s:%d", base, host, args.grpc_port)
         logger.info("status page %s/dashboard, metrics %s/metrics", base, base)
         for child in children:

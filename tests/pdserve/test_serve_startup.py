@@ -1,0 +1,81 @@
+"""`pdserve serve` start-up: a child dying before the stack is up (a port taken between pick and
+bind) starts the whole stack again on fresh ports; readiness waits for every node."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from pdserve import serve
+
+
+def _args(**overrides) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--model", "unused", "--startup-timeout-s", "5"])
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+def _child(name: str, code: int | None) -> serve.Child:
+    """A real process: already exited with `code`, or sleeping until stopped (code None)."""
+    script = "import time; time.sleep(60)" if code is None else f"raise SystemExit({code})"
+    process = subprocess.Popen([sys.executable, "-c", script])
+    if code is not None:
+        process.wait(10)
+    return serve.Child(name, process, "127.0.0.1:9", "")
+
+
+def test_a_startup_death_restarts_the_stack(monkeypatch):
+    started: list[list[serve.Child]] = []
+
+    def start_stack(args):
+        # first attempt: a node dies at once; second attempt: everything stays up
+        code = 1 if not started else None
+        children = [_child("prefill-0", code), _child("gateway", None)]
+        started.append(children)
+        return children
+
+    def wait_healthy(url, children, timeout_s):
+        dead = [c.name for c in children if c.process.poll() is not None]
+        if dead:
+            raise serve.StartupDeath(f"{dead} exited during startup")
+        raise KeyboardInterrupt  # "up": leave run() through its cleanup
+
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.setattr(serve, "start_stack", start_stack)
+    monkeypatch.setattr(serve, "wait_healthy", wait_healthy)
+    with pytest.raises(KeyboardInterrupt):
+        serve.run(_args())
+    assert len(started) == 2, "started again after the death"
+    for children in started:  # every process of both attempts stopped
+        assert all(c.process.poll() is not None for c in children)
+
+
+def test_gives_up_after_the_last_attempt(monkeypatch):
+    started = []
+
+    def start_stack(args):
+        started.append([_child("decode-0", 1)])
+        return started[-1]
+
+    monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(serve, "start_stack", start_stack)
+    with pytest.raises(serve.StartupDeath, match="decode-0 exited during startup"):
+        serve.run(_args())
+    assert len(started) == serve._START_ATTEMPTS
+
+
+def test_not_ready_while_a_node_is_not_serving():
+    # a live process whose address serves nothing: never ready, times out
+    child = _child("prefill-0", None)
+    try:
+        with pytest.raises(TimeoutError):
+            serve.wait_healthy("http://127.0.0.1:9/health", [child], timeout_s=1.0)
+    finally:
+        child.process.kill()
+        child.process.wait(10)
