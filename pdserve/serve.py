@@ -1,9 +1,10 @@
 """`pdserve serve`: the whole stack on one machine, as separate processes.
 
 Starts N prefill nodes, M decode nodes and the gateway (each a `pdserve` sub-command in its own
-process), waits until the gateway's /health is 200, logs the URLs, and on Ctrl-C/SIGTERM stops
-everything (SIGTERM first so nodes drain, SIGKILL after a deadline). Children die with this
-process even if it is killed (PR_SET_PDEATHSIG).
+process), waits until every node's gRPC health says SERVING and the gateway's /health is 200
+(restarting the stack on fresh ports if a child dies on the way), logs the URLs, and on
+Ctrl-C/SIGTERM stops everything (SIGTERM first so nodes drain, SIGKILL after a deadline).
+Children die with this process even if it is killed (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-num-requests", type=int, default=1024, help="gateway admission limit (then 429)"
     )
     p.add_argument(
-        "--startup-timeout-s", type=float, default=300.0, help="deadline for /health to be 200"
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="deadline, per start attempt, for every node to be SERVING and /health to be 200",
     )
     p.add_argument(
         "--state-file",

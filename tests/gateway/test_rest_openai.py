@@ -99,6 +99,10 @@ def test_finish_stop_on_eos_and_stop_token(gw: Cluster, tokenizer: Tokenizer) ->
 def test_stop_string_split_across_tokens(
     gw: Cluster, tokenizer: Tokenizer, script: list[int]
 ) -> None:
+    # Paced like a real node: unpaced, the fake node can put all 40 tokens on the wire before
+    # the gateway's cancel reaches it, and the cancel check below would depend on timing.
+    for node in gw.decode_nodes:
+        node.behaviour.token_delay_s = 0.01
     prompt = [7] * 4
     full = tokenizer.decode(expected_tokens(script, 4, 0, 40))
     stop = "quick br"  # spans several tokens
