@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -23,15 +25,8 @@
 
 namespace {
 
+using namespace pdserve_cpu;
 using BF16 = c10::BFloat16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(BF16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 // The value torch would hold after storing x in dtype T (round to nearest even for bf16).
 template <typename T>
 inline float round_to(float x) {
@@ -45,11 +40,6 @@ inline float round_to(float x) {
 #if defined(__AVX512F__)
 constexpr bool kVector = true;
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const BF16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 // fp32 -> bf16 bits, round to nearest even (NaN is not expected in activations).
 inline __m256i to_bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -69,22 +59,6 @@ inline __m512 round16(__m512 v) {
   } else {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
   }
-}
-// exp(x), Cephes' polynomial on the reduced argument, 2^n applied by scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
 }
 #else
 constexpr bool kVector = false;

@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "vec.h"
+
 #include <cmath>
 #include <algorithm>
 #include <type_traits>
@@ -22,13 +24,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using namespace pdserve_cpu;
 
 // Dot product of a float query row with one K row of the cache.
 // Dot product of a float query row with a float K row (kD known at compile time when > 0:
@@ -117,13 +113,6 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
 // the query heads of a kv head. bf16 rows are widened to fp32 once per tile and reused by every
 // query head of the group.
 
-// 16 bf16 values -> 16 floats (bf16 is the top half of an fp32).
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
 // r[i] = horizontal sum of v[i], for 16 vectors.
 inline __m512 reduce16(__m512* v) {
   __m512 w[8], x[4];
@@ -142,23 +131,6 @@ inline __m512 reduce16(__m512* v) {
                                    _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
                        _mm512_shuffle_f32x4(z01, z23, 0xDD));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^n * p(r), Cephes' polynomial.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
 }
 
 inline void store_rounded(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
@@ -267,9 +239,9 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
         const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNoScore), raw);
         const float new_max = std::max(run_max[qi], _mm512_reduce_max_ps(scores));
         const __m512 p = _mm512_maskz_mov_ps(
-            valid, exp_nonpositive(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
+            valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
         // exp(old max - new max): 1 while the max holds, ~0 on the first tile
-        const __m512 rescale = exp_nonpositive(_mm512_set1_ps(run_max[qi] - new_max));
+        const __m512 rescale = exp16(_mm512_set1_ps(run_max[qi] - new_max));
         run_sum[qi] = run_sum[qi] * _mm512_cvtss_f32(rescale) + _mm512_reduce_add_ps(p);
         run_max[qi] = new_max;
         __m512 av[kC];
