@@ -75,6 +75,15 @@ def padded_rows(n: int) -> int:
     return -(-n // step) * step
 
 
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    """t ([n, ...]) with zero rows appended up to padded_rows(n) (CPU only)."""
+    n = t.shape[0]
+    rows = n if t.is_cuda else padded_rows(n)
+    if rows == n:
+        return t
+    return F.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - n))
+
+
 # Below this many rows a float32 product is memory-bound and torch's own GEMV is the faster path.
 _ONEDNN_MIN_ROWS_FP32 = 8
 
@@ -315,10 +324,8 @@ class LlamaForCausalLM(nn.Module):
         """Final-norm hidden states [T, hidden] of the flattened batch input_ids [T] at
         positions [T]; writes each layer's new K/V into kv_caches at meta.slot_mapping."""
         num_tokens = input_ids.shape[0]
-        rows = num_tokens if input_ids.is_cuda else padded_rows(num_tokens)
-        if rows > num_tokens:  # padding rows: token 0 at position 0, no K/V written
-            input_ids = F.pad(input_ids, (0, rows - num_tokens))
-            positions = F.pad(positions, (0, rows - num_tokens))
+        # padding rows: token 0 at position 0, no K/V written (paged_attention)
+        input_ids, positions = _pad_rows(input_ids), _pad_rows(positions)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
@@ -331,9 +338,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
         n = hidden.shape[0]
-        rows = n if hidden.is_cuda else padded_rows(n)
-        if rows > n:
-            hidden = F.pad(hidden, (0, 0, 0, rows - n))
+        hidden = _pad_rows(hidden)
         if self.lm_head is not None:
             return self.lm_head(hidden)[:n].float()
         weight = self.model.embed_tokens.weight
