@@ -377,6 +377,7 @@ def test_padding_rows_change_nothing(loaded: Callable, monkeypatch) -> None:
     _, model = loaded("qwen3")
     prompts = [("a", random_ids(3, 2000, 7)), ("b", random_ids(30, 2000, 8))]  # 33 -> 36 rows
     assert llama.padded_rows(33) == 36
+    monkeypatch.setattr(llama, "PADDED_DTYPES", {torch.float32, torch.bfloat16})
     padded = PagedSeqs(model)
     got_padded = padded.step(prompts)
     monkeypatch.setattr(llama, "padded_rows", lambda n: n)
@@ -387,3 +388,10 @@ def test_padding_rows_change_nothing(loaded: Callable, monkeypatch) -> None:
     for cache_p, cache_u in zip(padded.kv_caches, plain.kv_caches, strict=True):
         assert not cache_p[0].any(), "padding rows must not write into the null block"
         torch.testing.assert_close(cache_p, cache_u, atol=1e-5, rtol=1e-5)
+
+
+def test_only_bf16_cpu_forwards_pad_rows() -> None:
+    rows = torch.zeros(33, 4)
+    assert llama._pad_rows(rows, torch.bfloat16).shape == (36, 4)
+    assert not llama._pad_rows(rows, torch.bfloat16)[33:].any()
+    assert llama._pad_rows(rows, torch.float32) is rows
