@@ -110,8 +110,8 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
 // AVX-512 path (head_dim a multiple of 16): scores for up to 16 positions at a time (one fp32
 // accumulator vector per position, then one transposing reduction of the 16 vectors instead of
 // 16 horizontal sums), a vectorised online softmax, and V rows accumulated into the outputs of
-// the query heads of a kv head. bf16 rows are widened to fp32 once per tile and reused by every
-// query head of the group.
+// the query heads of a kv head together: each V row is loaded (bf16: widened to fp32) once per
+// tile for the whole group. Requests are split between threads by work (context length).
 
 // r[i] = horizontal sum of v[i], for 16 vectors.
 inline __m512 reduce16(__m512* v) {
@@ -138,6 +138,42 @@ inline void store_rounded(c10::BFloat16* dst, __m512 v) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<c10::BFloat16>(reinterpret_cast<float*>(&v)[i]);
 }
 
+// Query heads of one kv head accumulated together over one tile (G <= kMaxGroupTile of
+// them): acc[g] = acc[g] * rescale[g] + sum_j w[g][j] * v_j. Each V row slice is loaded (and
+// widened, for bf16) once for all G heads, and G x kCC accumulators stay in registers as
+// independent FMA chains (kCC: head-dim slices at a time, G * kCC <= 24 of the 32 registers);
+// the weights come in as memory broadcasts. The sum over j runs in order, as before.
+constexpr int64_t kMaxGroupTile = 8;
+
+constexpr int slices_at_once(int slices, int heads) {
+  const int cap = heads >= 24 ? 1 : 24 / heads;
+  for (int c = slices; c > 1; --c)
+    if (slices % c == 0 && c <= cap) return c;
+  return 1;
+}
+
+template <typename T, int kD, int G>
+inline void accumulate_v(float* acc, const float* w, const float* rescale, const T* v, int64_t n) {
+  constexpr int kC = kD / 16;
+  constexpr int kCC = slices_at_once(kC, G);
+  for (int c0 = 0; c0 < kC; c0 += kCC) {
+    __m512 a[G][kCC];
+    for (int g = 0; g < G; ++g)
+      for (int cc = 0; cc < kCC; ++cc)
+        a[g][cc] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + 16 * (c0 + cc)),
+                                 _mm512_set1_ps(rescale[g]));
+    for (int64_t j = 0; j < n; ++j) {
+      for (int cc = 0; cc < kCC; ++cc) {
+        const __m512 vj = load16(v + j * kD + 16 * (c0 + cc));
+        for (int g = 0; g < G; ++g)
+          a[g][cc] = _mm512_fmadd_ps(_mm512_set1_ps(w[16 * g + j]), vj, a[g][cc]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int cc = 0; cc < kCC; ++cc) _mm512_storeu_ps(acc + g * kD + 16 * (c0 + cc), a[g][cc]);
+  }
+}
+
 // One request, kv heads [h_begin, h_end): blocks outer, heads inner, so the cache is read in
 // block order (a block's K of all heads is one contiguous run, its V the next), and each block
 // is read once, K and V together, with an online softmax (running max and sum per query head,
@@ -152,12 +188,14 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
   constexpr int kC = kD / 16;  // vectors per row
   constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
   const int64_t nq = (h_end - h_begin) * group;  // query heads handled here
-  work.resize(2 * nq * kD + 2 * nq + 16 * kD);
+  work.resize(2 * nq * kD + 2 * nq + 16 * kD + 17 * group);
   float* qf = work.data();          // [nq, D], pre-scaled
   float* acc = qf + nq * kD;        // [nq, D]
   float* run_max = acc + nq * kD;   // [nq]
   float* run_sum = run_max + nq;    // [nq]
   float* krows = run_sum + nq;      // [16, D]: one tile of K rows as float
+  float* weights = krows + 16 * kD;  // [group, 16]: one tile's softmax weights per query head
+  float* rescales = weights + 16 * group;  // [group]: each head's accumulator rescale
   for (int64_t i = 0; i < nq * kD; ++i) {
     qf[i] = to_float(q[i]) * scale;
     acc[i] = 0.f;
@@ -241,18 +279,30 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
         const __m512 p = _mm512_maskz_mov_ps(
             valid, exp16(_mm512_sub_ps(scores, _mm512_set1_ps(new_max))));
         // exp(old max - new max): 1 while the max holds, ~0 on the first tile
-        const __m512 rescale = exp16(_mm512_set1_ps(run_max[qi] - new_max));
-        run_sum[qi] = run_sum[qi] * _mm512_cvtss_f32(rescale) + _mm512_reduce_add_ps(p);
+        const float rescale = _mm512_cvtss_f32(exp16(_mm512_set1_ps(run_max[qi] - new_max)));
+        run_sum[qi] = run_sum[qi] * rescale + _mm512_reduce_add_ps(p);
         run_max[qi] = new_max;
-        __m512 av[kC];
-        for (int c = 0; c < kC; ++c)
-          av[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + qi * kD + 16 * c), rescale);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m512 w = _mm512_permutexvar_ps(_mm512_set1_epi32(static_cast<int>(j)), p);
-          for (int c = 0; c < kC; ++c)
-            av[c] = _mm512_fmadd_ps(w, load16(v + j * kD + 16 * c), av[c]);
+        _mm512_storeu_ps(weights + 16 * g, p);
+        rescales[g] = rescale;
+      }
+      // acc[g] = acc[g] * rescale[g] + sum_j p[g][j] * v_j for the group's query heads
+      // together, so each V row is loaded (and widened) once per kv head, not once per head.
+      float* head_acc = acc + (h - h_begin) * group * kD;
+      for (int64_t g0 = 0; g0 < group; g0 += kMaxGroupTile) {
+        const int64_t gn = std::min<int64_t>(kMaxGroupTile, group - g0);
+        float* a = head_acc + g0 * kD;
+        const float* w = weights + 16 * g0;
+        const float* r = rescales + g0;
+        switch (gn) {
+          case 1: accumulate_v<T, kD, 1>(a, w, r, v, n); break;
+          case 2: accumulate_v<T, kD, 2>(a, w, r, v, n); break;
+          case 3: accumulate_v<T, kD, 3>(a, w, r, v, n); break;
+          case 4: accumulate_v<T, kD, 4>(a, w, r, v, n); break;
+          case 5: accumulate_v<T, kD, 5>(a, w, r, v, n); break;
+          case 6: accumulate_v<T, kD, 6>(a, w, r, v, n); break;
+          case 7: accumulate_v<T, kD, 7>(a, w, r, v, n); break;
+          default: accumulate_v<T, kD, 8>(a, w, r, v, n); break;
         }
-        for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + qi * kD + 16 * c, av[c]);
       }
     }
     start += n;
@@ -264,6 +314,26 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
   }
 }
 #endif  // __AVX512F__
+
+// Boundaries (parts + 1 of them) splitting tasks [0, n) into `parts` contiguous ranges of
+// about equal total cost(i).
+template <typename Cost>
+std::vector<int64_t> balanced_ranges(int64_t n, int64_t parts, Cost cost) {
+  std::vector<int64_t> prefix(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) prefix[i + 1] = prefix[i] + cost(i);
+  std::vector<int64_t> bounds(parts + 1, n);
+  bounds[0] = 0;
+  int64_t i = 0;
+  for (int64_t p = 1; p < parts; ++p) {
+    const int64_t target = prefix[n] * p / parts;
+    while (i < n && prefix[i] < target) ++i;
+    bounds[p] = i;
+  }
+  return bounds;
+}
+
+// A task's fixed cost in context positions (query load, output store, scheduling).
+constexpr int64_t kTaskOverhead = 16;
 
 template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
@@ -284,9 +354,15 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     const bool per_request = num_reqs >= 4 * at::get_num_threads();
     const int64_t heads_per_task = per_request ? num_kv_heads : 1;
     const int64_t tasks_per_req = num_kv_heads / heads_per_task;
-    at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+    // One contiguous range of tasks per thread, of about equal work (context lengths vary a
+    // lot within a batch: equal task counts left one thread waiting on the other).
+    const int64_t num_tasks = num_reqs * tasks_per_req;
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+    const std::vector<int64_t> bounds = balanced_ranges(
+        num_tasks, parts, [&](int64_t i) { return len_ptr[i / tasks_per_req] + kTaskOverhead; });
+    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
       std::vector<float> work;  // per thread, reused across tasks
-      for (int64_t i = begin; i < end; ++i) {
+      for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
         const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
         const int64_t offset = (r * num_q_heads + h0 * group) * head_dim;
         decode_heads_avx512<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride,

@@ -70,6 +70,36 @@ def test_decode_kernel_matches_dense_and_torch_path(ops, dtype, hq, hkv, d, bloc
     torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(10, 2, 64), (14, 2, 64), (20, 2, 64), (16, 1, 128)])
+def test_decode_kernel_large_groups_many_requests(ops, dtype, hq, hkv, d):
+    """Query-head groups of 5, 7, 10 and 16 (V accumulated 8 heads at a time, then the rest)
+    and enough requests of very different lengths for the per-request, work-balanced split."""
+    block_size = 16
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    seq_lens = [int(n) for n in torch.randint(1, 300, (24,), generator=g)] + [1, 299, 16, 17]
+    max_blocks = -(-max(seq_lens) // block_size)
+    num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens)
+    cache = torch.randn(num_blocks, 2, hkv, block_size, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        tables[i, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
+    scale = d**-0.5
+    out = ops.paged_decode_attention(q, cache, tables, torch.tensor(seq_lens), scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for i, n in enumerate(seq_lens):
+        blocks = cache[tables[i, : -(-n // block_size)]]
+        keys = blocks[:, 0].transpose(1, 2).reshape(-1, hkv, d)[:n]
+        values = blocks[:, 1].transpose(1, 2).reshape(-1, hkv, d)[:n]
+        want = dense_decode(q[i], keys, values, scale)
+        torch.testing.assert_close(out[i].double(), want, atol=tol, rtol=tol)
+
+
 def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
     calls = []
 
