@@ -28,33 +28,46 @@ def dense_decode(q, keys, values, scale):
     return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 32), (6, 6, 48), (6, 2, 128)])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_decode_kernel_matches_dense_and_torch_path(ops, dtype, hq, hkv, d, block_size):
-    g = torch.Generator().manual_seed(hq * 1000 + d + block_size)
-    num_blocks = 64
-    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 170]
+def paged_cache(seq_lens, num_blocks, hkv, block_size, d, dtype, g):
+    """Random K/V in num_blocks shuffled blocks (never the null block 0) and the block tables
+    [len(seq_lens), max blocks] giving each sequence its own blocks."""
     max_blocks = -(-max(seq_lens) // block_size)
     cache = torch.randn(num_blocks, 2, hkv, block_size, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks - 1, generator=g) + 1  # shuffled, never the null block
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
     used = 0
     for i, n in enumerate(seq_lens):
         nb = -(-n // block_size)
         tables[i, :nb] = perm[used : used + nb]
         used += nb
-    q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
-    lens = torch.tensor(seq_lens)
-    scale = d**-0.5
-    out = ops.paged_decode_attention(q, cache, tables, lens, scale)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    return cache, tables
+
+
+def assert_matches_dense(out, q, cache, tables, seq_lens, scale, tol):
+    """Each request's output row against dense_decode over its gathered K/V."""
+    _, _, hkv, block_size, d = cache.shape
     for i, n in enumerate(seq_lens):
         blocks = cache[tables[i, : -(-n // block_size)]]  # [nb, 2, Hkv, bs, D]
         keys = blocks[:, 0].transpose(1, 2).reshape(-1, hkv, d)[:n]
         values = blocks[:, 1].transpose(1, 2).reshape(-1, hkv, d)[:n]
         want = dense_decode(q[i], keys, values, scale)
         torch.testing.assert_close(out[i].double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 64), (4, 1, 32), (6, 6, 48), (6, 2, 128)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_kernel_matches_dense_and_torch_path(ops, dtype, hq, hkv, d, block_size):
+    g = torch.Generator().manual_seed(hq * 1000 + d + block_size)
+    seq_lens = [1, block_size, block_size + 1, 3 * block_size - 1, 170]
+    max_blocks = -(-max(seq_lens) // block_size)
+    cache, tables = paged_cache(seq_lens, 64, hkv, block_size, d, dtype, g)
+    q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens)
+    scale = d**-0.5
+    out = ops.paged_decode_attention(q, cache, tables, lens, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_matches_dense(out, q, cache, tables, seq_lens, scale, tol)
     # the engine's torch path gives the same answer as the kernel
     mask = (torch.arange(max_blocks * block_size)[None] < lens[:, None])[:, None, None, :]
     meta = AttentionMetadata(
@@ -78,26 +91,13 @@ def test_decode_kernel_large_groups_many_requests(ops, dtype, hq, hkv, d):
     block_size = 16
     g = torch.Generator().manual_seed(hq * 100 + d)
     seq_lens = [int(n) for n in torch.randint(1, 300, (24,), generator=g)] + [1, 299, 16, 17]
-    max_blocks = -(-max(seq_lens) // block_size)
     num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens)
-    cache = torch.randn(num_blocks, 2, hkv, block_size, d, generator=g).to(dtype)
-    perm = torch.randperm(num_blocks - 1, generator=g) + 1
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
-    used = 0
-    for i, n in enumerate(seq_lens):
-        nb = -(-n // block_size)
-        tables[i, :nb] = perm[used : used + nb]
-        used += nb
+    cache, tables = paged_cache(seq_lens, num_blocks, hkv, block_size, d, dtype, g)
     q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
     scale = d**-0.5
     out = ops.paged_decode_attention(q, cache, tables, torch.tensor(seq_lens), scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for i, n in enumerate(seq_lens):
-        blocks = cache[tables[i, : -(-n // block_size)]]
-        keys = blocks[:, 0].transpose(1, 2).reshape(-1, hkv, d)[:n]
-        values = blocks[:, 1].transpose(1, 2).reshape(-1, hkv, d)[:n]
-        want = dense_decode(q[i], keys, values, scale)
-        torch.testing.assert_close(out[i].double(), want, atol=tol, rtol=tol)
+    assert_matches_dense(out, q, cache, tables, seq_lens, scale, tol)
 
 
 def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
