@@ -78,7 +78,7 @@ def padded_rows(n: int) -> int:
 PADDED_DTYPES = {torch.bfloat16}
 """Dtypes whose CPU forwards pad their rows. Only bf16 pays a oneDNN JIT per new row count; in
 float32 padding bought nothing offline and, measured through `pdserve serve` (aggregated, 2
-threads, Poisson load), it doubled TPOT (median 90-180 ms padded vs 27-63 ms unpadded)."""
+threads, Poisson load), it doubled TPOT (medians 72-178 ms padded vs 27-63 ms unpadded)."""
 
 
 def _pad_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -354,8 +354,8 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     const bool per_request = num_reqs >= 4 * at::get_num_threads();
     const int64_t heads_per_task = per_request ? num_kv_heads : 1;
     const int64_t tasks_per_req = num_kv_heads / heads_per_task;
-    // One contiguous range of tasks per thread, of about equal work (context lengths vary a
-    // lot within a batch: equal task counts left one thread waiting on the other).
+    // One contiguous range of tasks per thread, of about equal work: context lengths vary
+    // within a batch, and equal task counts can leave one thread waiting on the other.
     const int64_t num_tasks = num_reqs * tasks_per_req;
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
     const std::vector<int64_t> bounds = balanced_ranges(
