@@ -76,9 +76,10 @@ def padded_rows(n: int) -> int:
 
 
 PADDED_DTYPES = {torch.bfloat16}
-"""Dtypes whose CPU forwards pad their rows. Only bf16 pays a oneDNN JIT per new row count; in
-float32 padding bought nothing offline and, measured through `pdserve serve` (aggregated, 2
-threads, Poisson load), it doubled TPOT (medians 72-178 ms padded vs 27-63 ms unpadded)."""
+"""Dtypes whose CPU forwards pad their rows: where it measured faster (bf16, whose oneDNN GEMM
+primitives cost 2-20 ms to build per new row count). In float32 padding bought nothing offline
+and, measured through `pdserve serve` (aggregated, 2 threads, Poisson load), it doubled TPOT
+(medians 72-178 ms padded vs 27-63 ms unpadded)."""
 
 
 def _pad_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
