@@ -162,7 +162,13 @@ def vllm_command(vllm_dir: str, args: list[str]) -> list[str]:
 
 
 def start_vllm_server(args: argparse.Namespace, port: int, log_path: Path) -> subprocess.Popen:
-    """vLLM's OpenAI server in its own process group (so it can be killed whole)."""
+    """vLLM's OpenAI server in a process group of its own (so it can be killed whole), but in
+    this process's session. Every benchmark here starts its servers that way: Linux schedules
+    each session as one group ("autogroup"), and with the server in a session of its own the
+    load generator's session got so little of a core busy with the server that it waited up to
+    1-3 s to run (a probe task's /proc/self/schedstat run delay on the decode node's core).
+    Those waits showed up as ITL spikes of every stream at once: disaggregated pdserve's p99
+    ITL was 230-364 ms with the stack in a session of its own, 50 ms in the same one."""
     serve = ["serve", args.model, "--host", "127.0.0.1", "--port", str(port), "--seed", "0"]
     serve += shlex.split(args.server_args)
     logger.info("starting vLLM server on port %d (log: %s)", port, log_path)
@@ -172,7 +178,7 @@ def start_vllm_server(args: argparse.Namespace, port: int, log_path: Path) -> su
             stdout=log,
             stderr=subprocess.STDOUT,
             env=vllm_env(),
-            start_new_session=True,
+            process_group=0,
         )
 
 

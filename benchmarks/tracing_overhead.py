@@ -81,7 +81,7 @@ class Stack:
             env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | otel,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            process_group=0,  # same session as the client: see serve_vs_vllm.start_vllm_server
         )
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.pids: list[int] = []
