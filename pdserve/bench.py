@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -327,6 +327,48 @@ async def wait_until_ready(
         if time.monotonic() >= deadline:
             raise ValueError(f"the endpoint is not ready after {timeout_s:.0f} s: {result.error}")
         await asyncio.sleep(1.0)
+
+
+class LoopStalls:
+    """How late the load generator's own event loop ran during the timed run.
+
+    A task asks to wake every INTERVAL_S and records how much later it woke. A client that is
+    not scheduled (a machine busy with the server) reads every stream late at once, and those
+    waits land in its TTFT/ITL figures; this makes them visible next to the figures they
+    inflate. (It found the 1-3 s run-queue waits of a load generator in another session than
+    the server: see benchmarks/serve_vs_vllm.py start_vllm_server.)"""
+
+    INTERVAL_S = 0.01
+    WARN_MS = 50.0
+    """A stall above this is logged as a warning with the results."""
+
+    def __init__(self) -> None:
+        self.late_s: list[float] = []
+
+    @contextlib.asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(self._watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _watch(self) -> None:
+        while True:
+            start_s = time.perf_counter()
+            await asyncio.sleep(self.INTERVAL_S)
+            self.late_s.append(max(time.perf_counter() - start_s - self.INTERVAL_S, 0.0))
+
+    def summary(self) -> dict[str, float]:
+        """Result-file keys: the worst stall, the 99th percentile, and their sum over WARN_MS."""
+        late_ms = np.array(self.late_s or [0.0]) * 1000
+        return {
+            "client_stall_max_ms": float(late_ms.max()),
+            "client_stall_p99_ms": float(np.percentile(late_ms, 99)),
+            "client_stall_over_warn_s": float(late_ms[late_ms > self.WARN_MS].sum() / 1000),
+        }
 
 
 async def run_requests(
@@ -630,9 +672,12 @@ def resolve_tokenizer(args: argparse.Namespace) -> str:
 
 
 async def benchmark(
-    args: argparse.Namespace, requests: Sequence[SampleRequest], vocab: PromptVocab
+    args: argparse.Namespace,
+    requests: Sequence[SampleRequest],
+    vocab: PromptVocab,
+    stalls: LoopStalls,
 ) -> tuple[list[RequestResult], float]:
-    """Ready check and warm-ups (untimed), then the timed run."""
+    """Ready check and warm-ups (untimed), then the timed run (watched by `stalls`)."""
     chat = args.backend == "openai-chat"
     url = args.base_url.rstrip("/") + args.endpoint
     payloads = [
@@ -656,16 +701,17 @@ async def benchmark(
             "sending %d requests to %s: rate %s req/s, burstiness %s, max concurrency %s",
             len(requests), url, args.request_rate, args.burstiness, args.max_concurrency,
         )  # fmt: skip
-        return await run_requests(
-            client,
-            url,
-            payloads,
-            [len(r.prompt_ids) for r in requests],
-            offsets_s,
-            args.max_concurrency,
-            chat,
-            show_progress=not args.disable_tqdm,
-        )
+        async with stalls.watching():
+            return await run_requests(
+                client,
+                url,
+                payloads,
+                [len(r.prompt_ids) for r in requests],
+                offsets_s,
+                args.max_concurrency,
+                chat,
+                show_progress=not args.disable_tqdm,
+            )
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
@@ -683,13 +729,22 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     # like vllm bench serve: no full collections walking the dataset while timing
     gc.collect()
     gc.freeze()
-    results, duration_s = asyncio.run(benchmark(args, requests, vocab))
+    stalls = LoopStalls()
+    results, duration_s = asyncio.run(benchmark(args, requests, vocab, stalls))
     metrics = calculate_metrics(results, duration_s, percentiles, slos_ms)
     log_errors(results)
+    stall = stalls.summary()
+    if stall["client_stall_max_ms"] > LoopStalls.WARN_MS:
+        logger.warning(
+            "this client itself was not running for up to %.0f ms (%.1f s in stalls over %.0f ms):"
+            " its latency figures include those waits; is the machine overloaded?",
+            stall["client_stall_max_ms"], stall["client_stall_over_warn_s"], LoopStalls.WARN_MS,
+        )  # fmt: skip
     sys.stdout.write(format_summary(metrics, duration_s, args, metric_names))
     if args.result_file:
+        result = build_result(metrics, results, duration_s, args, metric_names) | stall
         with open(args.result_file, "w") as f:
-            json.dump(build_result(metrics, results, duration_s, args, metric_names), f)
+            json.dump(result, f)
         logger.info("wrote %s", args.result_file)
     return 0 if metrics.completed else 1
 

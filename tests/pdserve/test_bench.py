@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pdserve.bench import (
+    LoopStalls,
     PromptVocab,
     RequestResult,
     arrival_offsets_s,
@@ -117,6 +118,26 @@ def test_parse_goodput() -> None:
 
 
 # -- datasets and arrivals ------------------------------------------------------------------------
+
+
+def test_loop_stalls_measure_a_blocked_client() -> None:
+    """A loop blocked for 200 ms (what a client that is not scheduled looks like) shows up as
+    a stall of about that size; the loop's ordinary wake-ups do not count as one."""
+
+    async def run() -> LoopStalls:
+        stalls = LoopStalls()
+        async with stalls.watching():
+            await asyncio.sleep(0.1)
+            time.sleep(0.2)  # the whole loop stands still
+            await asyncio.sleep(0.1)
+        return stalls
+
+    stalls = asyncio.run(run())
+    summary = stalls.summary()
+    assert 190 <= summary["client_stall_max_ms"] < 400
+    assert 0.19 <= summary["client_stall_over_warn_s"] < 0.4
+    assert sorted(stalls.late_s)[len(stalls.late_s) // 2] < 0.05  # the rest woke on time
+    assert LoopStalls().summary()["client_stall_max_ms"] == 0.0  # never watched: no stall
 
 
 def test_random_lengths_within_range_ratio() -> None:
@@ -301,6 +322,7 @@ def test_end_to_end_timings(fake_server, tiny_llama: str, tmp_path: Path) -> Non
     one_request_s = TTFT_S + 5 * ITL_S
     assert 2 * one_request_s <= r["duration"] < 2 * one_request_s + 1.0
     assert {"p50_ttft_ms", "p99_itl_ms", "median_e2el_ms", "mean_tpot_ms"} <= r.keys()
+    assert 0 <= r["client_stall_p99_ms"] <= r["client_stall_max_ms"]
 
 
 @pytest.mark.parametrize("fake_server", [True], indirect=True)
