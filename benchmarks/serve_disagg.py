@@ -161,6 +161,7 @@ def measure(mode: str, proc: subprocess.Popen, base: str, args: argparse.Namespa
 
 def summary(result: dict) -> dict:
     keys = ["request_throughput", "output_throughput", "completed", "failed"]
+    keys += ["client_stall_max_ms", "client_stall_over_warn_s"]
     out = {k: result.get(k) for k in keys}
     for metric in METRICS:
         for stat in ("mean", "median", "p99"):
