@@ -41,11 +41,16 @@ MODES = {
     ],
 }  # fmt: skip
 METRICS = ["ttft", "tpot", "itl", "e2el"]
+PRESETS = ("tiny", "small", "bench")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model", default="models/small", help="model dir (built if missing: small)")
+    p.add_argument(
+        "--model",
+        default="models/small",
+        help="model dir (built if missing and named after a preset: tiny, small, bench)",
+    )
     p.add_argument("--modes", default="aggregated,disaggregated", help="comma-separated modes")
     p.add_argument("--num-prompts", type=int, default=40, help="requests per mode")
     p.add_argument("--request-rate", default="1.0", help="Poisson arrival rate (req/s) or inf")
@@ -74,11 +79,16 @@ def free_port() -> int:
 
 
 def ensure_model(path: str) -> None:
-    if not (Path(path) / "config.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "pdserve.cli", "make-model", "--preset", "small", "--out", path],
-            check=True,
-        )
+    """Build a missing model directory named after a preset (models/tiny, models/small, ...)."""
+    if (Path(path) / "config.json").exists():
+        return
+    preset = Path(path).name
+    if preset not in PRESETS:
+        raise SystemExit(f"--model {path}: no such model, and not named after a preset {PRESETS}")
+    subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "make-model", "--preset", preset, "--out", path],
+        check=True,
+    )
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300.0) -> None:
