@@ -141,7 +141,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
     cmd += ["--kv-transport", args.kv_transport, *MODES[mode], *args.serve_arg]
     logger.info("%s: %s", mode, " ".join(cmd[2:]))
     log = open(tmp / f"{mode}.log", "wb")
-    # process_group, not start_new_session: same session as the client: see serve_vs_vllm.start_vllm_server
+    # own process group, the client's session: see serve_vs_vllm.start_vllm_server
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             process_group=0)  # fmt: skip
     try:

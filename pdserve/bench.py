@@ -362,7 +362,8 @@ class LoopStalls:
             self.late_s.append(max(time.perf_counter() - start_s - self.INTERVAL_S, 0.0))
 
     def summary(self) -> dict[str, float]:
-        """Result-file keys: the worst stall, the 99th percentile, and their sum over WARN_MS."""
+        """Result-file keys: the worst stall, the 99th percentile of all wake-ups' lateness,
+        and the total of the stalls longer than WARN_MS."""
         late_ms = np.array(self.late_s or [0.0]) * 1000
         return {
             "client_stall_max_ms": float(late_ms.max()),
@@ -737,7 +738,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if stall["client_stall_max_ms"] > LoopStalls.WARN_MS:
         logger.warning(
             "this client itself was not running for up to %.0f ms (%.1f s in stalls over %.0f ms):"
-            " its latency figures include those waits; is the machine overloaded?",
+            " its latency figures include those waits (an overloaded machine, or the server in"
+            " another login session: see benchmarks/README.md)",
             stall["client_stall_max_ms"], stall["client_stall_over_warn_s"], LoopStalls.WARN_MS,
         )  # fmt: skip
     sys.stdout.write(format_summary(metrics, duration_s, args, metric_names))

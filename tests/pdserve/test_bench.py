@@ -134,9 +134,9 @@ def test_loop_stalls_measure_a_blocked_client() -> None:
 
     stalls = asyncio.run(run())
     summary = stalls.summary()
-    assert 190 <= summary["client_stall_max_ms"] < 400
-    assert 0.19 <= summary["client_stall_over_warn_s"] < 0.4
-    assert sorted(stalls.late_s)[len(stalls.late_s) // 2] < 0.05  # the rest woke on time
+    assert 190 <= summary["client_stall_max_ms"] < 1000
+    assert 0.19 <= summary["client_stall_over_warn_s"] < 1.0
+    assert sorted(stalls.late_s)[len(stalls.late_s) // 2] < 0.1  # the rest woke about on time
     assert LoopStalls().summary()["client_stall_max_ms"] == 0.0  # never watched: no stall
 
 
