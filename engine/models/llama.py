@@ -77,9 +77,10 @@ def padded_rows(n: int) -> int:
 
 PADDED_DTYPES = {torch.bfloat16}
 """Dtypes whose CPU forwards pad their rows: where it measured faster (bf16, whose oneDNN GEMM
-primitives cost 2-20 ms to build per new row count). In float32 padding bought nothing offline
-and, measured through `pdserve serve` (aggregated, 2 threads, Poisson load), it doubled TPOT
-(medians 72-178 ms padded vs 27-63 ms unpadded)."""
+primitives cost 2-20 ms to build per new row count). In float32 padding bought nothing, offline
+(68.1 / 74.9 s padded vs 68.8 / 71.1 s not) or through `pdserve serve` (aggregated, 2 threads,
+Poisson load, client in the server's session: TPOT medians 71 / 32 / 32 ms padded vs 61 / 37 / 51
+not; an earlier "padding doubles TPOT" came from a starved load generator)."""
 
 
 def _pad_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
