@@ -737,9 +737,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     stall = stalls.summary()
     if stall["client_stall_max_ms"] > LoopStalls.WARN_MS:
         logger.warning(
-            "this client itself was not running for up to %.0f ms (%.1f s in stalls over %.0f ms):"
-            " its latency figures include those waits (an overloaded machine, or the server in"
-            " another login session: see benchmarks/README.md)",
+            "this client's event loop stood still for up to %.0f ms (%.1f s in stalls over %.0f"
+            " ms): its latency figures include those waits (an overloaded machine, or the server"
+            " in another login session: see benchmarks/README.md)",
             stall["client_stall_max_ms"], stall["client_stall_over_warn_s"], LoopStalls.WARN_MS,
         )  # fmt: skip
     sys.stdout.write(format_summary(metrics, duration_s, args, metric_names))
