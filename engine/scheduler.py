@@ -190,7 +190,8 @@ class Scheduler:
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, int], remote: list[RemotePrefill]
     ) -> None:
-        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
+        # Remote reservations spend no budget, so they are admitted even when it is used up.
+        while self.waiting and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
             prefix = (
                 self.kv.get_computed_blocks(request)
@@ -202,7 +203,7 @@ class Scheduler:
                 if not self._reserve_for_remote(request, num_new, prefix, remote):
                     break
                 continue
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            if budget <= 0 or (num_new > budget and not self.config.enable_chunked_prefill):
                 break
             num_new = min(num_new, budget)
             if self.kv.allocate_slots(request, num_new, prefix) is None:
@@ -221,11 +222,30 @@ class Scheduler:
         return len(self.running) + len(self.awaiting_kv)
 
     def _goes_remote(self, request: Request, num_uncached: int) -> bool:
-        """Conditional disaggregation: only prompts with enough uncached tokens go remote."""
+        """Conditional disaggregation: only prompts with enough uncached tokens go remote, and
+        (queue-aware) not while the remote backlog is the longer queue."""
         if not request.wants_remote_prefill:
             return False
         request.wants_remote_prefill = False  # offered once; recompute after preemption is local
-        return num_uncached >= self.config.remote_prefill_min_tokens
+        if num_uncached < self.config.remote_prefill_min_tokens:
+            return False
+        threshold = self.config.max_remote_prefill_queue_tokens
+        if threshold == 0:
+            return True
+        remote_backlog = self.remote_prefill_backlog
+        if remote_backlog < threshold:
+            return True
+        return self.local_prefill_backlog + num_uncached > remote_backlog
+
+    @property
+    def remote_prefill_backlog(self) -> int:
+        """Uncached prompt tokens this node waits for from prefill nodes."""
+        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.awaiting_kv.values())
+
+    @property
+    def local_prefill_backlog(self) -> int:
+        """Prompt tokens of running requests still to be computed here."""
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
 
     def _reserve_for_remote(
         self, request: Request, num_uncached: int, prefix: PrefixMatch, remote: list[RemotePrefill]

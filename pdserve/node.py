@@ -73,6 +73,7 @@ def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
 def build_engine(
     args: argparse.Namespace,
     remote_prefill_min_tokens: int = 1,
+    max_remote_prefill_queue_tokens: int = 0,
     speculative_config: SpeculativeConfig | None = None,
 ) -> LLMEngine:
     if args.num_threads:
@@ -92,6 +93,7 @@ def build_engine(
             max_num_batched_tokens=args.max_num_batched_tokens,
             policy=args.scheduling_policy,
             remote_prefill_min_tokens=remote_prefill_min_tokens,
+            max_remote_prefill_queue_tokens=max_remote_prefill_queue_tokens,
         ),
         speculative_config=speculative_config,
     )

@@ -66,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="decode nodes prefill prompts with fewer uncached tokens locally",
     )
     p.add_argument(
+        "--max-remote-prefill-queue-tokens",
+        type=int,
+        default=0,
+        help="decode nodes prefill a prompt locally while they wait on prefill nodes for at least "
+        "this many tokens and their own prefill backlog is shorter (0 = off; see `pdserve decode "
+        "--help`)",
+    )
+    p.add_argument(
         "--speculative-config",
         default=None,
         help="speculative decoding on the decode nodes, as JSON (see `pdserve decode --help`)",
@@ -105,6 +113,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to every node, e.g. --node-arg=--speculative-config=... "
         "(repeatable)",
+    )
+    p.add_argument(
+        "--prefill-node-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to prefill nodes only, after --node-arg (repeatable)",
+    )
+    p.add_argument(
+        "--decode-node-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to decode nodes only, after --node-arg, e.g. "
+        "--decode-node-arg=--max-num-batched-tokens=256 (repeatable)",
     )
 
 
@@ -167,8 +188,13 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             argv = [role, *node_argv, "--port", str(port)]
             if role == "decode":
                 argv += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
+                argv += [
+                    "--max-remote-prefill-queue-tokens",
+                    str(args.max_remote_prefill_queue_tokens),
+                ]
                 if args.speculative_config:
                     argv += ["--speculative-config", args.speculative_config]
+            argv += args.decode_node_arg if role == "decode" else args.prefill_node_arg
             metrics_address = ""
             if args.node_metrics:
                 metrics_port = free_port()

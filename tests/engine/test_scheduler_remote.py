@@ -2,6 +2,9 @@
 
 from dataclasses import replace
 
+import pytest
+
+from engine.config import SchedulerConfig
 from engine.request import RequestStatus
 from engine.scheduler import SampledTokens
 from tests.engine.test_scheduler import make, req, run, sizes
@@ -101,3 +104,42 @@ def test_first_token_can_finish_the_request():
     update = s.finish_remote_prefill("a", SampledTokens([3]), 0)
     assert update.finished and update.status is RequestStatus.FINISHED_LENGTH_CAPPED
     assert s.kv.num_free_blocks == 19 and not s.has_unfinished()
+
+
+def test_queue_aware_prompts_go_to_the_shorter_prefill_queue():
+    s = make(num_blocks=40, block_size=4, budget=8, caching=False)  # equal prompts: no sharing
+    s.config = replace(s.config, max_remote_prefill_queue_tokens=8)
+    s.add_request(remote("a", 10))  # remote backlog 0 < 8: remote
+    s.add_request(remote("b", 10))  # remote backlog 10 >= 8, local 0 + 10 <= 10: local
+    s.add_request(remote("c", 10))  # local 10 (b, not computed yet) + 10 > 10: remote
+    out, _ = run(s)
+    assert [p.request_id for p in out.remote_prefills] == ["a", "c"]
+    assert sizes(out) == {"b": 8}  # local prefill chunked by the node's budget
+    assert s.remote_prefill_backlog == 20 and s.local_prefill_backlog == 2
+    s.add_request(remote("d", 12))  # local 2 + 12 <= 20: local, behind b
+    out, _ = run(s)
+    assert sizes(out) == {"b": 2, "d": 6} and not out.remote_prefills
+    s.finish_remote_prefill("a", SampledTokens([1]), 0)
+    s.finish_remote_prefill("c", SampledTokens([1]), 0)
+    assert s.remote_prefill_backlog == 0
+    s.add_request(remote("e", 10))  # remote backlog 0 < 8 again: remote
+    out, _ = run(s)
+    assert [p.request_id for p in out.remote_prefills] == ["e"]
+
+
+def test_queue_aware_threshold_keeps_prompts_remote_below_it():
+    s = make(num_blocks=40, block_size=4, budget=8, caching=False)
+    s.config = replace(s.config, max_remote_prefill_queue_tokens=21)
+    for rid in "abc":
+        s.add_request(remote(rid, 10))  # backlogs 0, 10, 20 < 21: all remote
+    out, _ = run(s)
+    assert [p.request_id for p in out.remote_prefills] == ["a", "b", "c"]
+    assert not out.chunks
+    s.add_request(remote("d", 10))  # 30 >= 21 and local 10 <= 30: local
+    out, _ = run(s)
+    assert sizes(out) == {"d": 8} and not out.remote_prefills
+
+
+def test_queue_aware_threshold_must_not_be_negative():
+    with pytest.raises(ValueError, match="max_remote_prefill_queue_tokens"):
+        SchedulerConfig(max_remote_prefill_queue_tokens=-1)
