@@ -76,7 +76,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--qa-decode-budget",
         type=int,
-        default=192,
+        default=128,
         help="disaggregated-qa: the decode node's --max-num-batched-tokens (local prefill chunk)",
     )
     p.add_argument(

@@ -237,15 +237,18 @@ class Scheduler:
             return True
         return self.local_prefill_backlog + num_uncached > remote_backlog
 
+    # Both backlogs iterate over a snapshot (list() copies without running Python code), so
+    # the metrics scrape thread can read them while the engine thread changes the queues.
     @property
     def remote_prefill_backlog(self) -> int:
         """Uncached prompt tokens this node waits for from prefill nodes."""
-        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.awaiting_kv.values())
+        awaiting = list(self.awaiting_kv.values())
+        return sum(r.num_prompt_tokens - r.num_computed_tokens for r in awaiting)
 
     @property
     def local_prefill_backlog(self) -> int:
         """Prompt tokens of running requests still to be computed here."""
-        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+        return sum(max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in list(self.running))
 
     def _reserve_for_remote(
         self, request: Request, num_uncached: int, prefix: PrefixMatch, remote: list[RemotePrefill]

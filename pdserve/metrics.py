@@ -10,8 +10,9 @@ a thing twice:
   inter_token_latency_seconds, request_time_per_output_token_seconds,
   e2e_request_latency_seconds, request_prompt_tokens, request_generation_tokens,
   prompt_tokens, generation_tokens, request_success{finished_reason} (gateway/metrics.py).
-- decode node: its engine (num_requests_running/waiting, kv_cache_usage_perc, tokens computed,
-  num_preemptions, prefix cache, spec decode) and, per request, the phases at the node:
+- decode node: its engine (num_requests_running/waiting, remote/local_prefill_backlog_tokens,
+  kv_cache_usage_perc, tokens computed, num_preemptions, prefix cache, spec decode) and, per
+  request, the phases at the node:
   request_queue_time_seconds (arrival to blocks reserved), request_prefill_time_seconds
   (to the first token, remote or local), request_decode_time_seconds (first to last token),
   request_success{finished_reason}; KV transfers received (pdserve/node_metrics.py).

@@ -54,6 +54,16 @@ class EngineCollector(Collector):
             scheduler.num_awaiting_kv,
         )
         yield self._gauge(
+            "remote_prefill_backlog_tokens",
+            "Decode role: uncached prompt tokens of requests waiting for KV from prefill nodes.",
+            scheduler.remote_prefill_backlog,
+        )
+        yield self._gauge(
+            "local_prefill_backlog_tokens",
+            "Prompt tokens of running requests still to be computed on this node.",
+            scheduler.local_prefill_backlog,
+        )
+        yield self._gauge(
             "kv_cache_usage_perc",
             "Fraction of KV blocks held by requests (0 to 1).",
             engine.kv.usage,
