@@ -265,3 +265,67 @@ def test_layout_mismatch_is_refused_and_preemption_recomputes_locally(
     finally:
         for proc in procs:
             proc.stop()
+
+
+class _StalledPrefillNode(node_pb2_grpc.PrefillNodeServicer):
+    """Holds every Prefill call until released, then fails it: a prefill tier with a queue."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.called = threading.Event()
+        self.release = threading.Event()
+
+    def Prefill(self, request, context):
+        self.called.set()
+        self.release.wait(TIMEOUT_S)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released by the test")
+
+
+def test_queue_aware_decode_node_prefills_locally_while_the_remote_backlog_is_longer(
+    tiny_llama, tmp_path, offline
+):
+    """--max-remote-prefill-queue-tokens: while one prompt waits on a (held) prefill node, the
+    next prefills locally in --max-num-batched-tokens chunks and finishes first; the held one
+    falls back to local prefill once its call fails. Both equal the offline engine's output."""
+    import threading
+    from concurrent import futures
+
+    stalled = _StalledPrefillNode()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    node_pb2_grpc.add_PrefillNodeServicer_to_server(stalled, server)
+    held_address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+    server.start()
+    port = free_port()
+    argv = ["decode", "--model", tiny_llama, *NODE_FLAGS, "--port", str(port)]
+    argv += ["--kv-transport", "tcp", "--num-threads", "1", "--remote-prefill-min-tokens", "8"]
+    argv += ["--max-remote-prefill-queue-tokens", "1", "--max-num-batched-tokens", "32"]
+    proc = Proc(argv, tmp_path / "decode.log")
+    try:
+        address = f"127.0.0.1:{port}"
+        wait_grpc_serving(address, proc)
+        first, second = (w[:100] for w in prompts(2, seed=41))
+        first += [7] * (100 - len(first))  # the held prompt is the longer queue
+        p = SamplingParams(max_tokens=8, temperature=0.0)
+        held: dict = {}
+        waiter = threading.Thread(
+            target=lambda: held.update(chunks=generate(address, "held", first, p, [held_address]))
+        )
+        waiter.start()
+        assert stalled.called.wait(TIMEOUT_S), "the first prompt never reached the prefill node"
+        chunks = generate(address, "queued", second, p, [held_address])
+        assert waiter.is_alive()  # the held prompt is still waiting for its prefill node
+        assert chunks[0].prefilled_by == "local" and chunks[0].kv_transfer_bytes == 0
+        want = offline.generate([second], p, use_tqdm=False)[0].outputs[0].token_ids
+        assert [t for c in chunks for t in c.token_ids] == want
+        stalled.release.set()
+        waiter.join(TIMEOUT_S)
+        assert held["chunks"][0].prefilled_by == "local"  # fell back after the failed call
+        want = offline.generate([first], p, use_tqdm=False)[0].outputs[0].token_ids
+        assert [t for c in held["chunks"] for t in c.token_ids] == want
+        final = load(address)
+        assert final.num_free_blocks == final.num_total_blocks
+    finally:
+        stalled.release.set()
+        proc.stop()
+        server.stop(grace=None)
