@@ -193,6 +193,8 @@ class Scheduler:
         # Remote reservations spend no budget, so they are admitted even when it is used up.
         while self.waiting and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
+            if budget <= 0 and not request.wants_remote_prefill:
+                break  # local work needs budget (checked before the prefix-cache lookup counts)
             prefix = (
                 self.kv.get_computed_blocks(request)
                 if request.num_computed_tokens == 0

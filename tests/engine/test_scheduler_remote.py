@@ -143,3 +143,13 @@ def test_queue_aware_threshold_keeps_prompts_remote_below_it():
 def test_queue_aware_threshold_must_not_be_negative():
     with pytest.raises(ValueError, match="max_remote_prefill_queue_tokens"):
         SchedulerConfig(max_remote_prefill_queue_tokens=-1)
+
+
+def test_a_local_request_left_without_budget_is_not_looked_up_in_the_prefix_cache():
+    s = make(budget=8)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 4))
+    run(s)  # a takes the whole budget; b waits without a lookup (prefix_cache_queries counts it)
+    assert s.kv.prefix_queries == 10
+    out, _ = run(s)
+    assert sizes(out) == {"a": 2, "b": 4} and s.kv.prefix_queries == 14

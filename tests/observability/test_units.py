@@ -82,8 +82,13 @@ def test_sequence_timer_measures_what_the_client_sees(monkeypatch):
 
 def fake_engine(spec_stats=None):
     scheduler = SimpleNamespace(
-        num_running=2, num_waiting=1, num_awaiting_kv=1, num_preemptions=4, requests={},
-        remote_prefill_backlog=512, local_prefill_backlog=96,
+        num_running=2,
+        num_waiting=1,
+        num_awaiting_kv=1,
+        num_preemptions=4,
+        requests={},
+        remote_prefill_backlog=512,
+        local_prefill_backlog=96,
     )
     kv = SimpleNamespace(usage=0.25, prefix_queries=100, prefix_hits=40)
     stats = SimpleNamespace(num_prompt_tokens=300, num_generation_tokens=50, step_time_s=0.0)
