@@ -361,6 +361,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     const std::vector<int64_t> bounds = balanced_ranges(
         num_tasks, parts, [&](int64_t i) { return len_ptr[i / tasks_per_req] + kTaskOverhead; });
     at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+      const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
       for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
         const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
@@ -375,6 +376,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   }
 #endif
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;
     std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;

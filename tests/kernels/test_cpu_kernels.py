@@ -100,6 +100,26 @@ def test_decode_kernel_large_groups_many_requests(ops, dtype, hq, hkv, d):
     assert_matches_dense(out, q, cache, tables, seq_lens, scale, tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_far_below_max_scores_and_float_mode_restored(ops, dtype):
+    """Scores spread so that most softmax weights fall into the denormal range (the kernel
+    flushes them to zero for speed): the output still matches the dense reference, and the
+    calling thread's float mode is restored after (a denormal survives a multiply)."""
+    block_size, hkv, hq, d = 16, 2, 6, 64
+    g = torch.Generator().manual_seed(7)
+    seq_lens = [300, 170, 33, 1] * 4
+    num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens)
+    cache, tables = paged_cache(seq_lens, num_blocks, hkv, block_size, d, dtype, g)
+    q = (torch.randn(len(seq_lens), hq, d, generator=g) * 12).to(dtype)
+    scale = d**-0.5
+    torch.set_flush_denormal(False)
+    out = ops.paged_decode_attention(q, cache, tables, torch.tensor(seq_lens), scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert_matches_dense(out, q, cache, tables, seq_lens, scale, tol)
+    tiny = torch.tensor([1e-39]) * torch.tensor([1.0])
+    assert tiny.item() != 0.0, "the kernel left denormals flushed in the calling thread"
+
+
 def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
     calls = []
 
