@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -81,20 +82,26 @@ class AttentionMetadata:
 
 
 _decode_kernel: Callable[..., torch.Tensor] | None = None
+_store_kv: Callable[..., None] | None = None
 
 
-def use_cpu_decode_kernel(kernel: Callable[..., torch.Tensor] | None) -> None:
-    """Route CPU decode attention through a compiled kernel with the signature
-    (q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B] int64, scale) -> [B, Hq, D]
-    (kernels/cpu), or back to the pure-torch path with None."""
-    global _decode_kernel
-    _decode_kernel = kernel
+def use_cpu_attention_ops(ops: ModuleType | None) -> None:
+    """Route CPU attention through the compiled kernels (kernels/cpu): decode attention
+    paged_decode_attention(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
+    int64, scale) -> [B, Hq, D] and the K/V store store_kv(k, v, kv_cache, slot_mapping); or
+    back to the pure-torch path with None."""
+    global _decode_kernel, _store_kv
+    _decode_kernel = ops.paged_decode_attention if ops is not None else None
+    _store_kv = ops.store_kv if ops is not None else None
 
 
 def write_kv(
     kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
 ) -> None:
     """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
+    if _store_kv is not None and not kv_cache.is_cuda:
+        _store_kv(k, v, kv_cache, meta.slot_mapping)
+        return
     _, _, hkv, bs, d = kv_cache.shape
     rows = kv_cache.view(-1, d)
     index = meta.kv_rows(hkv)

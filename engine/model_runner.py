@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_decode_kernel
+from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
 from engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
 from engine.models.loader import ModelArch
 from engine.sampler import Sampler, SampleRow, SamplingMetadata
@@ -161,7 +161,7 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         ops = cpu_ops() if use_cpu_kernels else None
-        use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
+        use_cpu_attention_ops(ops)
         use_cpu_fused_ops(ops)
 
     @torch.inference_mode()

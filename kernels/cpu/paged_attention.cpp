@@ -423,6 +423,54 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   return out;
 }
 
+// Stores new tokens' K and V ([T, Hkv, D], any row strides, unit stride along D) at their
+// slots of one layer's cache: token t goes to block slots[t] / block_size, offset
+// slots[t] % block_size. A row copy per (token, head): index_copy_ cost ~60x more for a
+// decode batch (its per-row bookkeeping), and nothing here needs the whole-tensor form.
+template <typename T>
+void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& cache,
+                   const torch::Tensor& slots) {
+  const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
+  const int64_t block_size = cache.size(3);
+  const int64_t num_slots = cache.size(0) * block_size;
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const T* k_ptr = k.data_ptr<T>();
+  const T* v_ptr = v.data_ptr<T>();
+  T* cache_ptr = cache.data_ptr<T>();
+  const int64_t head_stride = block_size * d, kv_stride = heads * head_stride;
+  const size_t row_bytes = d * sizeof(T);
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t s = slot_ptr[t];
+    TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the cache (", num_slots, " slots)");
+    T* dst = cache_ptr + (s / block_size) * 2 * kv_stride + (s % block_size) * d;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(dst + h * head_stride, k_ptr + t * k.stride(0) + h * k.stride(1), row_bytes);
+      std::memcpy(dst + kv_stride + h * head_stride, v_ptr + t * v.stride(0) + h * v.stride(1),
+                  row_bytes);
+    }
+  }
+}
+
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && cache.dim() == 5, "bad ranks");
+  TORCH_CHECK(k.size(1) == cache.size(2) && k.size(2) == cache.size(4),
+              "k/v heads or head_dim differ from the cache's");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && cache.is_contiguous(),
+              "store_kv needs unit stride along head_dim and a contiguous cache");
+  TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
+              "k, v and cache dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() &&
+                  slots.size(0) == k.size(0),
+              "slots must be contiguous int64, one per token");
+  if (k.scalar_type() == torch::kFloat32) {
+    store_kv_impl<float>(k, v, cache, slots);
+  } else if (k.scalar_type() == torch::kBFloat16) {
+    store_kv_impl<c10::BFloat16>(k, v, cache, slots);
+  } else {
+    TORCH_CHECK(false, "store_kv supports float32 and bfloat16");
+  }
+}
+
 // fused_ops.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
@@ -433,6 +481,7 @@ bool fused_ops_vectorized();
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged attention for single-token queries (CPU)");
+  m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
         "residual += x, then x = RMSNorm(residual), both in place");

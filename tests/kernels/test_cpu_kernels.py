@@ -209,3 +209,34 @@ def test_fused_layers_reject_bad_input(ops):
     q = torch.randn(2, 2, 8)
     with pytest.raises(RuntimeError, match="cos / sin"):
         ops.rotary_embedding(q, q.clone(), torch.randn(2, 3), torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_matches_the_torch_write(ops, dtype, monkeypatch):
+    """The compiled K/V store puts every token's K and V rows (strided views into a fused qkv
+    output, as the model passes them) where the torch index_copy_ path puts them, and touches
+    nothing else; a slot outside the cache is refused."""
+    hkv, block_size, d, num_blocks = 3, 8, 16, 12
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(7, (4 + 2 * hkv) * d, generator=g).to(dtype)
+    k = qkv[:, 4 * d : (4 + hkv) * d].view(7, hkv, d)
+    v = qkv[:, (4 + hkv) * d :].view(7, hkv, d)
+    slots = torch.tensor([8, 9, 23, 40, 41, 42, 95])  # blocks 1, 2, 5, 11; offsets vary
+    meta = AttentionMetadata(
+        slots,
+        0,
+        torch.zeros(0, 1, dtype=torch.long),
+        torch.zeros(0, dtype=torch.long),
+        None,
+        [],
+        block_size,
+    )
+    start = torch.randn(num_blocks, 2, hkv, block_size, d, generator=g).to(dtype)
+    ours, want = start.clone(), start.clone()
+    ops.store_kv(k, v, ours, slots)
+    monkeypatch.setattr(attention, "_store_kv", None)
+    attention.write_kv(want, k, v, meta)
+    assert torch.equal(ours, want)
+    assert not torch.equal(ours, start)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.store_kv(k, v, ours, torch.tensor([8, 9, 23, 40, 41, 42, num_blocks * block_size]))

@@ -141,17 +141,18 @@ def loaded(tiny_model_dir: Callable[[str], str]) -> Callable[[str], tuple[str, L
 @pytest.fixture(params=["torch_ops", "cpu_kernels"])
 def layer_kernels(request):
     """Runs a test once on the pure-torch layers and once on the compiled CPU kernels (fused
-    RMSNorm / RoPE / SiLU*up and the decode attention kernel), restoring the previous choice."""
+    RMSNorm / RoPE / SiLU*up, the decode attention kernel and the K/V store), restoring the
+    previous choice."""
     ops = None
     if request.param == "cpu_kernels":
         ops = cpu_ops()
         assert ops is not None, "the CPU kernels must build on this machine (gcc + ninja)"
-    saved = llama._fused, attention._decode_kernel
+    saved = llama._fused, attention._decode_kernel, attention._store_kv
     llama.use_cpu_fused_ops(ops)
-    attention.use_cpu_decode_kernel(ops.paged_decode_attention if ops is not None else None)
+    attention.use_cpu_attention_ops(ops)
     yield request.param
     llama.use_cpu_fused_ops(saved[0])
-    attention.use_cpu_decode_kernel(saved[1])
+    attention._decode_kernel, attention._store_kv = saved[1:]
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
