@@ -18,7 +18,7 @@ import torch
 from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
 from engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
 from engine.models.loader import ModelArch
-from engine.sampler import Sampler, SampleRow, SamplingMetadata
+from engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
 from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
 from engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
 from kernels.cpu import cpu_ops
@@ -162,6 +162,7 @@ class ModelRunner(PagedModel):
         self.rejection_sampler = RejectionSampler()
         ops = cpu_ops() if use_cpu_kernels else None
         use_cpu_attention_ops(ops)
+        use_cpu_sampling_ops(ops)
         use_cpu_fused_ops(ops)
 
     @torch.inference_mode()

@@ -9,8 +9,9 @@ order, and resumes identically from any position.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -24,6 +25,31 @@ DRAFT_STREAM = 1
 """uniform_noise stream of a draft model's draws of its speculative tokens."""
 ACCEPT_STREAM = 2
 """uniform_noise stream of the rejection sampler's acceptance tests."""
+
+
+_argmax_kernel: Callable[[Tensor], Tensor] | None = None
+
+
+def use_cpu_sampling_ops(ops: ModuleType | None) -> None:
+    """Take row argmaxes through the compiled argmax_rows (kernels/cpu), or through torch with
+    None."""
+    global _argmax_kernel
+    _argmax_kernel = ops.argmax_rows if ops is not None else None
+
+
+def argmax_rows(x: Tensor) -> Tensor:
+    """x.argmax(dim=-1) of a 2-D tensor (the same answer: the first index of the maximum, or of
+    the first NaN), through the compiled kernel for contiguous float32 CPU rows."""
+    if (
+        _argmax_kernel is not None
+        and x.dtype == torch.float32
+        and x.dim() == 2
+        and x.shape[1] > 0
+        and not x.is_cuda
+        and x.is_contiguous()
+    ):
+        return _argmax_kernel(x)
+    return x.argmax(dim=-1)
 
 
 def _signed(x: int, bits: int) -> int:
@@ -89,7 +115,7 @@ def random_sample(probs: Tensor, seeds: Tensor, positions: Tensor, stream: int =
     probability p_i / sum(p), and only compares within a row, so rows never interact.
     """
     exponentials = uniform_noise(seeds, positions, probs.shape[-1], stream).log_().neg_()
-    return (probs / exponentials).argmax(dim=-1)
+    return argmax_rows(probs / exponentials)
 
 
 @dataclass
@@ -357,7 +383,7 @@ def compute_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     logits = process_logits(logits.float(), meta)
     if meta.all_random:
         return _random_probs(logits, meta)
-    probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    probs = torch.zeros_like(logits).scatter_(1, argmax_rows(logits)[:, None], 1.0)
     if not meta.all_greedy:
         probs[meta.random_rows] = _random_probs(logits, meta)
     return probs
@@ -383,11 +409,11 @@ class Sampler:
     @staticmethod
     def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         sampled = random_sample(_random_probs(logits, meta), meta.seeds, meta.positions)
         if meta.all_random:
             return sampled
-        return logits.argmax(dim=-1).index_copy_(0, meta.random_rows, sampled)
+        return argmax_rows(logits).index_copy_(0, meta.random_rows, sampled)
 
 
 def compute_logprobs(

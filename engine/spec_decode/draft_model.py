@@ -32,6 +32,7 @@ from engine.sampler import (
     DRAFT_STREAM,
     SampleRow,
     SamplingMetadata,
+    argmax_rows,
     compute_probs,
     random_sample,
 )
@@ -136,7 +137,7 @@ class DraftModelProposer:
         rows = [self._row(d) for d in drafting]
         meta = SamplingMetadata.build(rows, logits.shape[-1])
         probs = compute_probs(logits, meta)
-        tokens = probs.argmax(dim=-1)  # greedy rows are one-hot
+        tokens = argmax_rows(probs)  # greedy rows are one-hot
         if not meta.all_greedy:
             random = random_sample(
                 probs[meta.random_rows], meta.seeds, meta.positions, DRAFT_STREAM

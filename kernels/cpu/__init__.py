@@ -1,6 +1,7 @@
 """CPU kernels compiled on first use (torch.utils.cpp_extension, cached across runs): paged
-decode attention (paged_attention.cpp) and the fused RMSNorm / residual-add + RMSNorm / RoPE /
-SiLU*up layers (fused_ops.cpp), AVX-512 where the compiler targets it, scalar otherwise.
+decode attention and the K/V store (paged_attention.cpp), the fused RMSNorm / residual-add +
+RMSNorm / RoPE / SiLU*up layers (fused_ops.cpp) and the sampler's row argmax
+(sampling_ops.cpp), AVX-512 where the compiler targets it, scalar otherwise.
 
 If the build is impossible (no compiler, no ninja), the engine falls back to its pure-torch
 layers and logs why once.
@@ -23,7 +24,10 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCES = [os.path.join(_HERE, name) for name in ("paged_attention.cpp", "fused_ops.cpp")]
+_SOURCES = [
+    os.path.join(_HERE, name)
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling_ops.cpp")
+]
 # Built next to the checkout (gitignored /build/), so two checkouts never rebuild each other's.
 _BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", "cpu_kernels")
 
@@ -35,8 +39,8 @@ def _march() -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (paged_decode_attention, rms_norm, fused_add_rms_norm,
-    rotary_embedding, silu_and_mul), or None if it cannot be built.
+    """The compiled module (paged_decode_attention, store_kv, rms_norm, fused_add_rms_norm,
+    rotary_embedding, silu_and_mul, argmax_rows), or None if it cannot be built.
     Set PDSERVE_CPU_KERNELS=0 to force the pure-torch path."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None

@@ -477,6 +477,8 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
 void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor silu_and_mul(torch::Tensor x);
 bool fused_ops_vectorized();
+// sampling_ops.cpp
+torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -487,5 +489,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x, then x = RMSNorm(residual), both in place");
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
+  m.def("argmax_rows", &argmax_rows, "row-wise argmax of a float32 matrix (torch.argmax's answer)");
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
 }

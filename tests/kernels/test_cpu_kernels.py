@@ -240,3 +240,33 @@ def test_store_kv_matches_the_torch_write(ops, dtype, monkeypatch):
     assert not torch.equal(ours, start)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.store_kv(k, v, ours, torch.tensor([8, 9, 23, 40, 41, 42, num_blocks * block_size]))
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 8192])
+def test_argmax_rows_is_torch_argmax(ops, n):
+    """First index of the maximum on ties, NaN wins (its first index), -inf rows, widths below,
+    at and across the 16-lane vector width."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    x[1] = 0.5  # all tied: index 0
+    x[2] = float("-inf")
+    x[3, n // 2 :] = 9.0  # tie between the middle and the end: the middle
+    x[4, n - 1] = float("nan")
+    x[5, :] = float("nan")
+    x[6, n // 3] = float("inf")
+    x[7] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
+    want = x.argmax(dim=-1)
+    assert torch.equal(ops.argmax_rows(x), want)
+    from engine import sampler
+
+    saved = sampler._argmax_kernel
+    try:
+        sampler.use_cpu_sampling_ops(ops)
+        assert torch.equal(sampler.argmax_rows(x), want)
+        assert torch.equal(
+            sampler.argmax_rows(x[:, : max(1, n // 2)]), x[:, : max(1, n // 2)].argmax(-1)
+        )
+    finally:
+        sampler._argmax_kernel = saved
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(x.double())
