@@ -87,11 +87,11 @@ _store_kv: Callable[..., None] | None = None
 
 def use_cpu_attention_ops(ops: ModuleType | None) -> None:
     """Route CPU attention through the compiled kernels (kernels/cpu): decode attention
-    paged_decode_attention(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
-    int64, scale) -> [B, Hq, D] and the K/V store store_kv(k, v, kv_cache, slot_mapping); or
+    paged_decode_attention_out(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
+    int64, scale, out [B, Hq, D]) and the K/V store store_kv(k, v, kv_cache, slot_mapping); or
     back to the pure-torch path with None."""
     global _decode_kernel, _store_kv
-    _decode_kernel = ops.paged_decode_attention if ops is not None else None
+    _decode_kernel = ops.paged_decode_attention_out if ops is not None else None
     _store_kv = ops.store_kv if ops is not None else None
 
 
@@ -143,8 +143,10 @@ def paged_attention(
         out[num_tokens:].zero_()
     nd = meta.num_decode_tokens
     if nd and _decode_kernel is not None and not q.is_cuda:
-        out[:nd] = _decode_kernel(
-            q[:nd].contiguous(), kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale
+        # q[:nd] may be a row-strided view of the qkv projection: the kernel reads it in place
+        # and writes straight into out's rows
+        _decode_kernel(
+            q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, out[:nd]
         )
     elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)

@@ -347,6 +347,7 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   T* out_ptr = out.data_ptr<T>();
   const int64_t table_stride = tables.size(1);
+  const int64_t q_row = q.stride(0), out_row = out.stride(0);  // heads are packed within a row
 #if defined(__AVX512F__)
   if constexpr (kD > 0 && kD % 16 == 0) {
     // A task is a request (all its kv heads, read block by block) when there are enough of
@@ -365,9 +366,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
       std::vector<float> work;  // per thread, reused across tasks
       for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
         const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
-        const int64_t offset = (r * num_q_heads + h0 * group) * head_dim;
-        decode_heads_avx512<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride,
-                                   len_ptr[r], out_ptr + offset, h0, h0 + heads_per_task,
+        const int64_t head = h0 * group * head_dim;
+        decode_heads_avx512<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
+                                   len_ptr[r], out_ptr + r * out_row + head, h0, h0 + heads_per_task,
                                    num_kv_heads, group, block_size, static_cast<float>(scale),
                                    work);
       }
@@ -380,9 +381,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
-      const int64_t offset = (r * num_q_heads + h * group) * head_dim;
-      decode_one<T, kD>(q_ptr + offset, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
-                        out_ptr + offset, h, num_kv_heads, group, block_size, head_dim,
+      const int64_t head = h * group * head_dim;
+      decode_one<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
+                        out_ptr + r * out_row + head, h, num_kv_heads, group, block_size, head_dim,
                         static_cast<float>(scale), work);
     }
   });
@@ -402,17 +403,25 @@ void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                     torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.is_contiguous() && cache.is_contiguous() && tables.is_contiguous() &&
-                  seq_lens.is_contiguous(),
-              "paged_decode_attention needs contiguous inputs");
-  TORCH_CHECK(cache.dim() == 5 && q.dim() == 3, "bad ranks");
+// q and out: [num_requests, num_q_heads, head_dim] with packed heads (stride(1) == head_dim,
+// stride(2) == 1) and any row stride, e.g. q a view into the fused qkv projection's output and
+// out rows of the layer's attention output: no copy on either side.
+void paged_decode_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
+                                torch::Tensor seq_lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(cache.dim() == 5 && q.dim() == 3 && out.dim() == 3, "bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "q and out need packed heads: stride(1) == head_dim, stride(2) == 1");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must match q's shape and dtype");
+  TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention needs a contiguous cache, block tables and seq lens");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache dtypes differ");
   TORCH_CHECK(tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
               "block tables and seq lens must be int64");
+  TORCH_CHECK(tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "one block table row and one seq len per request");
   TORCH_CHECK(q.size(1) % cache.size(2) == 0, "q heads must be a multiple of kv heads");
-  auto out = torch::empty_like(q);
   if (q.scalar_type() == torch::kFloat32) {
     decode_dispatch<float>(q, cache, tables, seq_lens, out, scale);
   } else if (q.scalar_type() == torch::kBFloat16) {
@@ -420,6 +429,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
+                                     torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3, "bad ranks");
+  auto out = torch::empty(q.sizes(), q.options());
+  paged_decode_attention_out(q, cache, tables, seq_lens, scale, out);
   return out;
 }
 
@@ -483,6 +499,8 @@ torch::Tensor argmax_rows(torch::Tensor x);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged attention for single-token queries (CPU)");
+  m.def("paged_decode_attention_out", &paged_decode_attention_out,
+        "paged_decode_attention into out (q and out may be row-strided views)");
   m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

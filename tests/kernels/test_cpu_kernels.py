@@ -120,12 +120,35 @@ def test_decode_kernel_far_below_max_scores_and_float_mode_restored(ops, dtype):
     assert tiny.item() != 0.0, "the kernel left denormals flushed in the calling thread"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_and_writes_row_strided_views(ops, dtype):
+    """q as a view into a fused qkv output and out as rows of a wider tensor (what the engine
+    passes): the same values as the contiguous call, and nothing outside out's view written."""
+    block_size, hkv, hq, d = 16, 2, 6, 64
+    g = torch.Generator().manual_seed(11)
+    seq_lens = [40, 1, 17, 160, 3]
+    num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens)
+    cache, tables = paged_cache(seq_lens, num_blocks, hkv, block_size, d, dtype, g)
+    qkv = torch.randn(len(seq_lens), (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q = qkv[:, : hq * d].view(len(seq_lens), hq, d)
+    lens = torch.tensor(seq_lens)
+    want = ops.paged_decode_attention(q.contiguous(), cache, tables, lens, d**-0.5)
+    wide = torch.full((len(seq_lens) + 2, hq + 1, d), 7.0, dtype=dtype)
+    out = wide[1:-1, 1:]  # row stride (hq + 1) * d, packed heads
+    ops.paged_decode_attention_out(q, cache, tables, lens, d**-0.5, out)
+    assert torch.equal(out, want)
+    assert torch.equal(ops.paged_decode_attention(q, cache, tables, lens, d**-0.5), want)
+    assert (wide[0] == 7).all() and (wide[-1] == 7).all() and (wide[:, 0] == 7).all()
+    with pytest.raises(RuntimeError, match="packed heads"):
+        ops.paged_decode_attention_out(q.transpose(0, 1), cache, tables, lens, 0.1, out)
+
+
 def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
     calls = []
 
     def spy(*args):
         calls.append(args[0].shape)
-        return ops.paged_decode_attention(*args)
+        return ops.paged_decode_attention_out(*args)
 
     monkeypatch.setattr(attention, "_decode_kernel", spy)
     cache = torch.zeros(4, 2, 1, 16, 8)
