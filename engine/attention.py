@@ -174,6 +174,12 @@ def _decode_attention(
     return torch.bmm(probs, values.view(b * hkv, length, d)).view(b, hq, d)
 
 
+_QUERY_ROWS_MULTIPLE = 32
+"""Multi-token queries are padded to a multiple of this many rows before SDPA: torch's CPU
+flash attention slows down up to ~3x on other lengths (bf16, 2 threads: 317 query rows
+3.6 ms, 320 rows 1.3 ms; masked 317 x 717 keys 5.3 ms, 320 x 720 2.7 ms)."""
+
+
 def _prefill_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -184,19 +190,26 @@ def _prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of one request's query chunk. Inputs are made 4-D ([1, H, T, D]):
     on CPU only the batched form reaches SDPA's flash kernel (3-D falls back to the ~4x slower
-    math path)."""
+    math path). Query rows (and, with no cached context, keys) are padded with zeros at the
+    end to a multiple of _QUERY_ROWS_MULTIPLE: padded keys sit after every real query, so
+    causality hides them, and padded queries' rows are dropped."""
     gqa = q.shape[1] != k.shape[1]
-    queries = q.transpose(0, 1).unsqueeze(0)
-    if seq.context_len == seq.query_len:
+    tq = seq.query_len
+    pad = -tq % _QUERY_ROWS_MULTIPLE if tq > _QUERY_ROWS_MULTIPLE and not q.is_cuda else 0
+    queries = F.pad(q.transpose(0, 1), (0, 0, 0, pad)).unsqueeze(0)
+    if seq.context_len == tq:
         # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        keys = F.pad(k.transpose(0, 1), (0, 0, 0, pad))
+        values = F.pad(v.transpose(0, 1), (0, 0, 0, pad))
         mask = None
     else:
         keys, values = gather_kv(kv_cache, seq.block_table)  # [Hkv, L, D]
         keys, values = keys[:, : seq.context_len], values[:, : seq.context_len]
-        # Query i sits at position context_len - query_len + i and sees keys at positions <= it.
-        q_pos = torch.arange(seq.context_len - seq.query_len, seq.context_len).unsqueeze(1)
-        mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq, L]
+        # Query i sits at position context_len - query_len + i and sees keys at positions <= it
+        # (a padded query, past the last position, sees them all).
+        start = seq.context_len - tq
+        q_pos = torch.arange(start, start + tq + pad).unsqueeze(1)
+        mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq + pad, L]
     out = F.scaled_dot_product_attention(
         queries,
         keys.unsqueeze(0),
@@ -206,4 +219,4 @@ def _prefill_attention(
         scale=scale,
         enable_gqa=gqa,
     )
-    return out[0].transpose(0, 1)
+    return out[0, :, :tq].transpose(0, 1)

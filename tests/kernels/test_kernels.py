@@ -324,11 +324,20 @@ ENGINE_REQS = [(1, 1), (40, 1), (97, 1), (23, 23), (70, 30), (150, 4)]
 ENGINE_DECODES = 3
 
 
-def engine_case(seed: int, bs: int, hq: int, hkv: int, d: int, garbage: float = 0.0):
-    """A mixed batch (ENGINE_REQS) for engine.attention.paged_attention."""
+def engine_case(
+    seed: int,
+    bs: int,
+    hq: int,
+    hkv: int,
+    d: int,
+    garbage: float = 0.0,
+    reqs: list[tuple[int, int]] = ENGINE_REQS,
+    nd: int = ENGINE_DECODES,
+):
+    """A mixed batch (reqs: (context_len, query_len), the first nd of them decodes) for
+    engine.attention.paged_attention."""
     from engine.attention import AttentionMetadata, PrefillSeq
 
-    reqs, nd = ENGINE_REQS, ENGINE_DECODES
     c = build_paged(seed, [n for n, _ in reqs], bs, hkv, d, garbage=garbage)
     g = c["gen"]
     tables = c["tables"]
@@ -504,6 +513,23 @@ def test_reshape_and_cache_ref_writes_each_slot() -> None:
             want[slot // 16, 1, slot % 16] = v[t]
     assert torch.equal(out, want)
     assert not torch.equal(out, cache)
+
+
+@pytest.mark.parametrize("seed", [5, 6])
+def test_engine_prefill_query_lengths_around_the_sdpa_padding(seed: int) -> None:
+    """Fresh prompts and chunks after cached context whose query lengths are and are not
+    multiples of the 32 rows the CPU path pads SDPA's queries to: the same as dense attention."""
+    from engine.attention import paged_attention
+
+    reqs = [(33, 33), (64, 64), (45, 45), (130, 70), (200, 96), (100, 33), (40, 40)]
+    c = engine_case(seed=seed, bs=16, hq=6, hkv=2, d=16, reqs=reqs, nd=0)
+    out = paged_attention(c["q"], c["k"], c["v"], c["cache"].clone(), c["meta"], c["scale"])
+    dense = c["dense"]
+    start = 0
+    for b, (_, ql) in enumerate(reqs):
+        want = naive_causal(c["q"][start : start + ql], dense["k"][b], dense["v"][b], c["scale"])
+        torch.testing.assert_close(out[start : start + ql].double(), want, atol=1e-5, rtol=1e-5)
+        start += ql
 
 
 def test_engine_case_refs_agree() -> None:
