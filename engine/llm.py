@@ -72,6 +72,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block, e.g. between benchmark runs of the same prompts;
+        False (nothing changed) while requests hold blocks."""
+        return self.engine.reset_prefix_cache()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

@@ -154,6 +154,11 @@ class LLMEngine:
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's reset_prefix_cache); False, changing
+        nothing, while any request holds blocks."""
+        return self.kv.pool.reset_prefix_cache()
+
     @property
     def spec_stats(self) -> SpecDecodeStats | None:
         """Speculative decoding counters (None without speculative_config)."""

@@ -125,3 +125,23 @@ def test_bf16_runs_and_mostly_agrees(tiny_llama):
     a = tokens(llm32.generate(PROMPTS, p, use_tqdm=False))
     b = tokens(llm16.generate(PROMPTS, p, use_tqdm=False))
     assert sum(x[0] == y[0] for x, y in zip(a, b, strict=True)) >= 3
+
+
+def test_reset_prefix_cache_forgets_cached_prompts(llm):
+    """A repeated prompt is served from the prefix cache until reset_prefix_cache(), after
+    which it is computed again (same tokens either way)."""
+    prompt = [list(range(20, 20 + 70))]
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 64  # four full blocks; the last token is never cached
+    assert llm.reset_prefix_cache() is True
+    fresh = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert fresh.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == again.outputs[0].token_ids == fresh.outputs[0].token_ids
+    llm.engine.add_request("held", prompt[0], params)
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False  # a request holds blocks
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() is True
