@@ -8,7 +8,11 @@ a roofline estimate.
 What it measures, for each dtype:
   * throughput: the same seeded random token-id prompts and per-request output lengths
     (greedy, ignore_eos) through every system; output tokens/s = requested output tokens / wall
-    time of the generate call (start-up and a small warm-up are timed and reported separately);
+    time of the generate call (start-up and a small warm-up are timed and reported separately).
+    pdserve and vLLM run --rounds times each, alternating (both resident, each idle while the
+    other runs, the prefix cache reset before every run), because this shared machine's speed
+    drifts by tens of percent from one minute to the next: each reports its median run, and the
+    pdserve / vLLM ratio is the median of the per-round ratios; transformers runs once;
   * "same outputs": the fraction of requests whose greedy token ids equal pdserve's (reported,
     not asserted; expect exact agreement in float32 only);
   * engine per-step overhead with exactly B running decode requests: whole engine.step() vs. the
@@ -16,7 +20,8 @@ What it measures, for each dtype:
   * roofline: torch matmul GFLOP/s of the dtype vs. the engine's achieved FLOP/s in decode.
 
 transformers runs in this process with static batches (left padding + attention mask); vLLM runs
-in its own venv as a subprocess (benchmarks/_vllm_offline.py) exchanging JSON files.
+in its own venv as a resident subprocess (benchmarks/_vllm_offline.py: commands on stdin, results
+as JSON files).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import logging
 import os
 import platform
 import random
+import select
 import subprocess
 import sys
 import tempfile
@@ -102,6 +108,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=list(SYSTEMS),
         choices=SYSTEMS,
         help="systems to run (default: all); ratios need pdserve",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed runs of the workload by pdserve and vLLM, alternating (the machine's speed "
+        "drifts between minutes); each reports its median run and vLLM the median of the "
+        "per-round ratios; transformers runs once (default: %(default)s)",
     )
     p.add_argument(
         "--hf-batch-sizes",
@@ -369,7 +383,8 @@ def _best_rate(fn, mkn: int, reps: int) -> dict[str, Any]:
 # -- pdserve --------------------------------------------------------------------------------------
 
 
-def run_pdserve(args, model_dir, dtype, workload) -> tuple[dict[str, Any], Any]:
+def start_pdserve(args, model_dir, dtype) -> tuple[Any, dict[str, float]]:
+    """The engine, built and warmed up once for all rounds."""
     from engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -386,26 +401,30 @@ def run_pdserve(args, model_dir, dtype, workload) -> tuple[dict[str, Any], Any]:
     llm.generate(
         warm, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
     )
-    warmup_s = time.perf_counter() - t0
+    return llm, {"startup_s": startup_s, "warmup_s": time.perf_counter() - t0}
+
+
+def pdserve_round(llm, workload) -> dict[str, Any]:
+    """One timed run of the workload, every prompt computed (the prefix cache reset first)."""
+    from engine import SamplingParams
+
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         for n in workload["max_tokens"]
     ]
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("pdserve: requests still hold KV blocks between rounds")
     stats0 = dict(vars(llm.engine.stats))
     t0 = time.perf_counter()
     outs = llm.generate(workload["prompts"], params, use_tqdm=True)
     generate_s = time.perf_counter() - t0
     stats = {k: v - stats0[k] for k, v in vars(llm.engine.stats).items()}
-    token_ids = [list(o.outputs[0].token_ids) for o in outs]
-    res = {
-        "startup_s": startup_s,
-        "warmup_s": warmup_s,
+    return {
         "generate_s": generate_s,
         "engine_stats": stats,
         "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outs),
-        "output_token_ids": token_ids,
+        "output_token_ids": [list(o.outputs[0].token_ids) for o in outs],
     }
-    return res, llm
 
 
 class _Timer:
@@ -597,65 +616,170 @@ def run_transformers(args, model_dir, dtype, workload, pad_id) -> dict[str, Any]
 # -- vLLM -----------------------------------------------------------------------------------------
 
 
-def run_vllm(args, model_dir, dtype, workload, facts) -> dict[str, Any]:
-    env_sh = Path(args.vllm_dir) / "env.sh"
-    if not env_sh.exists():
-        msg = f"vLLM not installed ({env_sh} missing): skipping vLLM"
-        logger.warning(msg)
-        return {"skipped": msg}
-    max_len = max(map(len, workload["prompts"])) + max(workload["max_tokens"])
-    max_len = min(facts["max_position_embeddings"], -(-max_len // 16) * 16)
-    req = {
-        "model": str(model_dir),
-        "dtype": dtype,
-        "prompts": workload["prompts"],
-        "max_tokens": workload["max_tokens"],
-        "max_model_len": max_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "seed": args.seed,
-        "enforce_eager": args.vllm_enforce_eager,
-        "warmup_requests": 2,
-    }
-    tmp = Path(tempfile.mkdtemp(prefix="vllm_offline_"))
-    (tmp / "request.json").write_text(json.dumps(req))
-    log_path = tmp / "vllm.log"
-    cmd = (
-        f'source "{env_sh}" && exec python "{WORKER}" "{tmp / "request.json"}" '
-        f'"{tmp / "result.json"}"'
-    )
-    logger.info(
-        "vLLM %s: starting subprocess (log: %s); start-up takes a minute or two", dtype, log_path
-    )
-    t0 = time.perf_counter()
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
-    with open(log_path, "w") as log:
-        try:
-            rc = subprocess.run(
-                ["bash", "-c", cmd],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=tmp,
-                timeout=args.vllm_timeout,
-            ).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall_s = time.perf_counter() - t0
-    if rc != 0 or not (tmp / "result.json").exists():
-        tail = log_path.read_text(errors="replace")[-3000:]
-        logger.error("vLLM %s failed (rc=%s); log tail:\n%s", dtype, rc, tail)
-        return {"error": f"rc={rc}", "log": str(log_path), "process_wall_s": wall_s}
-    res = json.loads((tmp / "result.json").read_text())
-    res.update(
-        {
-            "process_wall_s": wall_s,
-            "log": str(log_path),
-            "settings": {k: v for k, v in req.items() if k not in ("prompts", "max_tokens")},
+class VllmSession:
+    """vLLM's CPU build resident in its own venv (benchmarks/_vllm_offline.py): started once per
+    dtype, then run() times the workload whenever asked, so its rounds alternate with
+    pdserve's. Every wait has a deadline (--vllm-timeout); close() always ends the process."""
+
+    def __init__(self, args, model_dir, dtype, workload, facts) -> None:
+        self.timeout = args.vllm_timeout
+        self.proc: subprocess.Popen | None = None
+        self.tmp = Path(tempfile.mkdtemp(prefix="vllm_offline_"))
+        self.log_path = self.tmp / "vllm.log"
+        max_len = max(map(len, workload["prompts"])) + max(workload["max_tokens"])
+        max_len = min(facts["max_position_embeddings"], -(-max_len // 16) * 16)
+        self.settings = {
+            "model": str(model_dir),
+            "dtype": dtype,
+            "max_model_len": max_len,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "seed": args.seed,
+            "enforce_eager": args.vllm_enforce_eager,
+            "warmup_requests": 2,
         }
-    )
-    res["num_cached_tokens"] = sum(res["num_cached_tokens"])
-    return res
+        req = {
+            **self.settings,
+            "prompts": workload["prompts"],
+            "max_tokens": workload["max_tokens"],
+        }
+        (self.tmp / "request.json").write_text(json.dumps(req))
+        env_sh = Path(args.vllm_dir) / "env.sh"
+        cmd = f'source "{env_sh}" && exec python "{WORKER}" "{self.tmp / "request.json"}"'
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "PYTHONPATH")}
+        logger.info(
+            "vLLM %s: starting (log: %s); start-up takes a minute or two", dtype, self.log_path
+        )
+        t0 = time.perf_counter()
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(
+            ["bash", "-c", cmd],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
+            cwd=self.tmp,
+            text=True,
+        )
+        try:
+            self._expect("READY")
+        except RuntimeError:
+            self.close()
+            raise
+        self.ready_s = time.perf_counter() - t0
+
+    def _expect(self, word: str) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+        line = self.proc.stdout.readline().strip() if ready else "(timed out)"
+        if line != word:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"vLLM: expected {word}, got {line!r}; log tail:\n{tail}")
+
+    def run(self, index: int) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        path = self.tmp / f"result_{index}.json"
+        self.proc.stdin.write(f"RUN {path}\n")
+        self.proc.stdin.flush()
+        self._expect("DONE")
+        res = json.loads(path.read_text())
+        res["num_cached_tokens"] = sum(res["num_cached_tokens"])
+        return res
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                if self.proc.poll() is None and self.proc.stdin is not None:
+                    self.proc.stdin.write("EXIT\n")
+                    self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+            self.proc = None
+        self.log.close()
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def run_rounds(args, model_dir, dtype, workload, facts) -> tuple[dict[str, Any], Any]:
+    """pdserve and vLLM alternately, --rounds times each, in the same minutes; each system's
+    generate_s is its median round, and vllm's pdserve_ratio_paired the median of the
+    per-round ratios. Returns (results per system, the pdserve LLM for the decode
+    measurement, or None)."""
+    per: dict[str, Any] = {}
+    vllm = None
+    if "vllm" in args.systems:
+        env_sh = Path(args.vllm_dir) / "env.sh"
+        if env_sh.exists():
+            try:
+                vllm = VllmSession(args, model_dir, dtype, workload, facts)
+                per["vllm"] = {
+                    "process_ready_s": vllm.ready_s,
+                    "log": str(vllm.log_path),
+                    "settings": vllm.settings,
+                }
+            except (OSError, RuntimeError) as exc:
+                logger.error("vLLM %s failed to start: %s", dtype, exc)
+                per["vllm"] = {"error": str(exc)[:3000]}
+        else:
+            msg = f"vLLM not installed ({env_sh} missing): skipping vLLM"
+            logger.warning(msg)
+            per["vllm"] = {"skipped": msg}
+    llm = None
+    runs: dict[str, list[dict[str, Any]]] = {}
+    try:
+        if "pdserve" in args.systems:
+            llm, info = start_pdserve(args, model_dir, dtype)
+            per["pdserve"] = info
+        for i in range(args.rounds):
+            if llm is not None:
+                runs.setdefault("pdserve", []).append(pdserve_round(llm, workload))
+                logger.info(
+                    "pdserve %s round %d: %.1f s", dtype, i, runs["pdserve"][-1]["generate_s"]
+                )
+            if vllm is not None:
+                try:
+                    runs.setdefault("vllm", []).append(vllm.run(i))
+                except (OSError, RuntimeError) as exc:
+                    logger.error("vLLM %s round %d failed: %s", dtype, i, exc)
+                    per["vllm"] = {"error": str(exc)[:3000]}
+                    vllm.close()
+                    vllm = None
+                    runs.pop("vllm", None)
+                    continue
+                logger.info("vllm %s round %d: %.1f s", dtype, i, runs["vllm"][-1]["generate_s"])
+    finally:
+        if vllm is not None:
+            vllm.close()
+    for name, rounds in runs.items():
+        first = rounds[0]
+        per[name] = {
+            **per.get(name, {}),
+            **{k: v for k, v in first.items() if k != "generate_s"},
+            "generate_s": median([r["generate_s"] for r in rounds]),
+            "generate_s_rounds": [r["generate_s"] for r in rounds],
+        }
+    if "pdserve" in runs and "vllm" in runs:
+        per["vllm"]["pdserve_ratio_paired"] = median(
+            [
+                v["generate_s"] / p["generate_s"]
+                for p, v in zip(runs["pdserve"], runs["vllm"], strict=True)
+            ]
+        )
+        per["vllm"]["same_rounds_outputs"] = all(
+            r["output_token_ids"] == runs["vllm"][0]["output_token_ids"] for r in runs["vllm"]
+        )
+    if "pdserve" in runs:
+        per["pdserve"]["same_rounds_outputs"] = all(
+            r["output_token_ids"] == runs["pdserve"][0]["output_token_ids"] for r in runs["pdserve"]
+        )
+    order = ("pdserve", "vllm")
+    return {k: per[k] for k in sorted(per, key=lambda k: order.index(k))}, llm
 
 
 # -- comparison and report ------------------------------------------------------------------------
@@ -701,7 +825,9 @@ def summarize(results: dict, workload: dict, args) -> None:
                 or "output_tokens_per_s" not in pd
             ):
                 continue
-            r["pdserve_ratio"] = pd["output_tokens_per_s"] / r["output_tokens_per_s"]
+            r["pdserve_ratio_of_medians"] = pd["output_tokens_per_s"] / r["output_tokens_per_s"]
+            # rounds that ran in the same minutes pair up: their ratio is the less noisy one
+            r["pdserve_ratio"] = r.get("pdserve_ratio_paired", r["pdserve_ratio_of_medians"])
             r["same_outputs_as_pdserve"] = compare(pd["output_token_ids"], r["output_token_ids"])
 
 
@@ -710,7 +836,8 @@ def print_tables(results: dict) -> None:
         "",
         "## Offline throughput",
         "",
-        "| dtype | system | startup s | generate s | output tok/s | pdserve / system "
+        "| dtype | system | startup s | generate s, median (rounds) | output tok/s "
+        "| pdserve / system "
         "| same outputs as pdserve |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
@@ -728,9 +855,13 @@ def print_tables(results: dict) -> None:
                 if same
                 else ""
             )
+            rounds = r.get("generate_s_rounds", [])
+            gen = f"{r['generate_s']:.1f}" + (
+                f" ({' / '.join(f'{t:.1f}' for t in rounds)})" if len(rounds) > 1 else ""
+            )
             lines.append(
                 f"| {dtype} | {name}{extra} | {r['startup_s']:.1f} | "
-                f"{r['generate_s']:.1f} | {r['output_tokens_per_s']:.1f} | {ratio} | "
+                f"{gen} | {r['output_tokens_per_s']:.1f} | {ratio} | "
                 f"{same_s} |"
             )
     if results.get("decode"):
@@ -798,6 +929,9 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     for dtype in args.dtypes:
+        per, llm = run_rounds(args, model_dir, dtype, workload, facts)
+        results["throughput"][dtype] = per
+        # the matmul rate in the same minutes as the decode steps it is compared with
         results["matmul"][dtype] = matmul_gflops(
             getattr(torch, dtype), args.matmul_shape, args.matmul_reps
         )
@@ -807,14 +941,7 @@ def main(argv: list[str] | None = None) -> None:
             results["matmul"][dtype]["gflops"],
             results["matmul"][dtype]["source"],
         )
-
-    for dtype in args.dtypes:
-        per: dict[str, Any] = {}
-        results["throughput"][dtype] = per
-        if "pdserve" in args.systems:
-            logger.info("pdserve %s", dtype)
-            per["pdserve"], llm = run_pdserve(args, model_dir, dtype, workload)
-            logger.info("pdserve %s: %.1f s", dtype, per["pdserve"]["generate_s"])
+        if llm is not None:
             if not args.skip_overhead:
                 batches = sorted(set(args.overhead_batches) | set(args.roofline_batches))
                 rows = []
@@ -842,15 +969,6 @@ def main(argv: list[str] | None = None) -> None:
                 args, model_dir, dtype, workload, facts["pad_token_id"] or 0
             )
             logger.info("transformers %s: %.1f s", dtype, per["transformers"]["generate_s"])
-        if "vllm" in args.systems:
-            per["vllm"] = run_vllm(args, model_dir, dtype, workload, facts)
-            if "generate_s" in per["vllm"]:
-                logger.info(
-                    "vllm %s: %.1f s (startup %.1f s)",
-                    dtype,
-                    per["vllm"]["generate_s"],
-                    per["vllm"]["startup_s"],
-                )
 
     summarize(results, workload, args)
     if not args.save_outputs:
