@@ -12,7 +12,8 @@ What it measures, for each dtype:
     pdserve and vLLM run --rounds times each, alternating (both resident, each idle while the
     other runs, the prefix cache reset before every run), because this shared machine's speed
     drifts by tens of percent from one minute to the next: each reports its median run, and the
-    pdserve / vLLM ratio is the median of the per-round ratios; transformers runs once;
+    pdserve / vLLM ratio is the median of the per-round ratios; transformers runs once, with a
+    pdserve run right before and right after it, and its ratio is to their mean;
   * "same outputs": the fraction of requests whose greedy token ids equal pdserve's (reported,
     not asserted; expect exact agreement in float32 only);
   * engine per-step overhead with exactly B running decode requests: whole engine.step() vs. the
@@ -27,6 +28,7 @@ as JSON files).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -576,7 +578,10 @@ def _hf_generate(model, prompts, max_tokens, bs, pad_id, desc) -> tuple[list[lis
     return outputs, time.perf_counter() - t0
 
 
-def run_transformers(args, model_dir, dtype, workload, pad_id) -> dict[str, Any]:
+def run_transformers(args, model_dir, dtype, workload, pad_id, bracket=None) -> dict[str, Any]:
+    """transformers generate() at the best probed static batch size. bracket(), when given, is a
+    pdserve run timed right before and right after the full run: its mean, from the same
+    minutes, is what the transformers ratio compares against."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
@@ -599,7 +604,10 @@ def run_transformers(args, model_dir, dtype, workload, pad_id) -> dict[str, Any]
         logger.info("transformers %s probe bs=%d: %.1f tok/s", dtype, bs, probe[bs]["tokens_per_s"])
     best = max(probe, key=lambda b: probe[b]["tokens_per_s"])
     logger.info("transformers %s: full run at batch size %d", dtype, best)
+    around = [bracket()] if bracket is not None else []
     outputs, generate_s = _hf_generate(model, prompts, max_tokens, best, pad_id, f"hf bs={best}")
+    if bracket is not None:
+        around.append(bracket())
     del model
     gc.collect()
     return {
@@ -610,6 +618,7 @@ def run_transformers(args, model_dir, dtype, workload, pad_id) -> dict[str, Any]
         "batch_size": best,
         "generate_s": generate_s,
         "output_token_ids": outputs,
+        **({"pdserve_bracket_s": around} if around else {}),
     }
 
 
@@ -826,8 +835,15 @@ def summarize(results: dict, workload: dict, args) -> None:
             ):
                 continue
             r["pdserve_ratio_of_medians"] = pd["output_tokens_per_s"] / r["output_tokens_per_s"]
-            # rounds that ran in the same minutes pair up: their ratio is the less noisy one
-            r["pdserve_ratio"] = r.get("pdserve_ratio_paired", r["pdserve_ratio_of_medians"])
+            if "pdserve_bracket_s" in r:  # pdserve's runs right before and after this one
+                r["pdserve_ratio_bracketed"] = r["generate_s"] / (
+                    sum(r["pdserve_bracket_s"]) / len(r["pdserve_bracket_s"])
+                )
+            # runs from the same minutes pair up: their ratio is the less noisy one
+            r["pdserve_ratio"] = r.get(
+                "pdserve_ratio_paired",
+                r.get("pdserve_ratio_bracketed", r["pdserve_ratio_of_medians"]),
+            )
             r["same_outputs_as_pdserve"] = compare(pd["output_token_ids"], r["output_token_ids"])
 
 
@@ -931,6 +947,18 @@ def main(argv: list[str] | None = None) -> None:
     for dtype in args.dtypes:
         per, llm = run_rounds(args, model_dir, dtype, workload, facts)
         results["throughput"][dtype] = per
+        if "transformers" in args.systems:
+            logger.info("transformers %s", dtype)
+
+            bracket = (
+                functools.partial(lambda engine: pdserve_round(engine, workload)["generate_s"], llm)
+                if llm is not None
+                else None
+            )
+            per["transformers"] = run_transformers(
+                args, model_dir, dtype, workload, facts["pad_token_id"] or 0, bracket
+            )
+            logger.info("transformers %s: %.1f s", dtype, per["transformers"]["generate_s"])
         # the matmul rate in the same minutes as the decode steps it is compared with
         results["matmul"][dtype] = matmul_gflops(
             getattr(torch, dtype), args.matmul_shape, args.matmul_reps
@@ -963,12 +991,6 @@ def main(argv: list[str] | None = None) -> None:
                 results["decode"][dtype] = rows
             del llm
             gc.collect()
-        if "transformers" in args.systems:
-            logger.info("transformers %s", dtype)
-            per["transformers"] = run_transformers(
-                args, model_dir, dtype, workload, facts["pad_token_id"] or 0
-            )
-            logger.info("transformers %s: %.1f s", dtype, per["transformers"]["generate_s"])
 
     summarize(results, workload, args)
     if not args.save_outputs:
