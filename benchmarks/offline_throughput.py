@@ -9,10 +9,10 @@ What it measures, for each dtype:
   * throughput: the same seeded random token-id prompts and per-request output lengths
     (greedy, ignore_eos) through every system; output tokens/s = requested output tokens / wall
     time of the generate call (start-up and a small warm-up are timed and reported separately).
-    pdserve and vLLM run --rounds times each, alternating (both resident, each idle while the
-    other runs, the prefix cache reset before every run), because this shared machine's speed
-    drifts by tens of percent from one minute to the next: each reports its median run, and the
-    pdserve / vLLM ratio is the median of the per-round ratios; transformers runs once, with a
+    pdserve and vLLM run --rounds times each, alternating (both resident, vLLM's processes
+    stopped with SIGSTOP while pdserve runs, the prefix cache reset before every run), because
+    this shared machine's speed drifts by tens of percent from one minute to the next: each
+    reports its median run, and the pdserve / vLLM ratio is the median of the per-round ratios; transformers runs once, with a
     pdserve run right before and right after it, and its ratio is to their mean;
   * "same outputs": the fraction of requests whose greedy token ids equal pdserve's (reported,
     not asserted; expect exact agreement in float32 only);
@@ -36,6 +36,7 @@ import os
 import platform
 import random
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -669,6 +670,7 @@ class VllmSession:
             env=env,
             cwd=self.tmp,
             text=True,
+            process_group=0,  # vLLM's engine and worker processes join it: one signal reaches all
         )
         try:
             self._expect("READY")
@@ -676,6 +678,15 @@ class VllmSession:
             self.close()
             raise
         self.ready_s = time.perf_counter() - t0
+        self._signal(signal.SIGSTOP)
+
+    def _signal(self, sig: int) -> None:
+        """sig to every process of the session (its process group)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def _expect(self, word: str) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -688,23 +699,34 @@ class VllmSession:
     def run(self, index: int) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
         path = self.tmp / f"result_{index}.json"
+        # stopped between runs: idle, vLLM still polls (~10% of a core), and on 2 cores a
+        # stolen slice stalls every parallel region of the run it would share the cores with
+        self._signal(signal.SIGCONT)
         self.proc.stdin.write(f"RUN {path}\n")
         self.proc.stdin.flush()
         self._expect("DONE")
+        self._signal(signal.SIGSTOP)
         res = json.loads(path.read_text())
         res["num_cached_tokens"] = sum(res["num_cached_tokens"])
         return res
 
     def close(self) -> None:
+        """EXIT, then SIGKILL to the whole process group (vLLM's engine and worker processes
+        outlive their parent otherwise)."""
         if self.proc is not None:
+            self._signal(signal.SIGCONT)
             try:
                 if self.proc.poll() is None and self.proc.stdin is not None:
                     self.proc.stdin.write("EXIT\n")
                     self.proc.stdin.close()
                 self.proc.wait(timeout=60)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
+                pass
+            self._signal(signal.SIGKILL)
+            try:
                 self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                logger.error("vLLM process %d did not exit", self.proc.pid)
             self.proc = None
         self.log.close()
 
