@@ -515,14 +515,10 @@ def test_reshape_and_cache_ref_writes_each_slot() -> None:
     assert not torch.equal(out, cache)
 
 
-@pytest.mark.parametrize("seed", [5, 6])
-def test_engine_prefill_query_lengths_around_the_sdpa_padding(seed: int) -> None:
-    """Fresh prompts and chunks after cached context whose query lengths are and are not
-    multiples of the 32 rows the CPU path pads SDPA's queries to: the same as dense attention."""
+def _assert_engine_case_matches_dense(c: dict, reqs: list[tuple[int, int]]) -> None:
+    """engine.attention.paged_attention on an engine_case equals dense causal attention."""
     from engine.attention import paged_attention
 
-    reqs = [(33, 33), (64, 64), (45, 45), (130, 70), (200, 96), (100, 33), (40, 40)]
-    c = engine_case(seed=seed, bs=16, hq=6, hkv=2, d=16, reqs=reqs, nd=0)
     out = paged_attention(c["q"], c["k"], c["v"], c["cache"].clone(), c["meta"], c["scale"])
     dense = c["dense"]
     start = 0
@@ -532,16 +528,17 @@ def test_engine_prefill_query_lengths_around_the_sdpa_padding(seed: int) -> None
         start += ql
 
 
+@pytest.mark.parametrize("seed", [5, 6])
+def test_engine_prefill_query_lengths_around_the_sdpa_padding(seed: int) -> None:
+    """Fresh prompts and chunks after cached context whose query lengths are and are not
+    multiples of the 32 rows the CPU path pads SDPA's queries to: the same as dense attention."""
+    reqs = [(33, 33), (64, 64), (45, 45), (130, 70), (200, 96), (100, 33), (40, 40)]
+    c = engine_case(seed=seed, bs=16, hq=6, hkv=2, d=16, reqs=reqs, nd=0)
+    _assert_engine_case_matches_dense(c, reqs)
+
+
 def test_engine_case_refs_agree() -> None:
     """The engine's torch paged_attention on the engine case matches the dense attention,
     so the engine check in the interpreter compares against a right answer."""
-    from engine.attention import paged_attention
-
     c = engine_case(seed=31, bs=16, hq=4, hkv=2, d=16)
-    out = paged_attention(c["q"], c["k"], c["v"], c["cache"].clone(), c["meta"], c["scale"])
-    dense = c["dense"]
-    start = 0
-    for b, (_, ql) in enumerate(ENGINE_REQS):
-        want = naive_causal(c["q"][start : start + ql], dense["k"][b], dense["v"][b], c["scale"])
-        torch.testing.assert_close(out[start : start + ql].double(), want, atol=1e-5, rtol=1e-5)
-        start += ql
+    _assert_engine_case_matches_dense(c, ENGINE_REQS)
