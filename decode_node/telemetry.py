@@ -48,7 +48,11 @@ class DecodeRequestTelemetry:
             "pdserve.node_id": telemetry.node_id,
             "pdserve.prompt_tokens": num_prompt_tokens,
         }
-        self.span = tracing.start_span("decode.generate", parent, SpanKind.SERVER, attributes)
+        # dated from the same monotonic clock as its end (times.finished_s) and its phase
+        # spans: a wall-clock start could land after the end when the VM's clock is stepped
+        self.span = tracing.start_span(
+            "decode.generate", parent, SpanKind.SERVER, attributes, self.times.arrival_s
+        )
         self.context = tracing.context_of(self.span)
         """Parent of this request's child spans (None when tracing is off)."""
 
