@@ -581,7 +581,7 @@ def _hf_generate(model, prompts, max_tokens, bs, pad_id, desc) -> tuple[list[lis
 
 def run_transformers(args, model_dir, dtype, workload, pad_id, bracket=None) -> dict[str, Any]:
     """transformers generate() at the best probed static batch size. bracket(), when given, is a
-    pdserve run timed right before and right after the full run: its mean, from the same
+    pdserve run (pdserve_round's result) right before and right after the full run: its mean, from the same
     minutes, is what the transformers ratio compares against."""
     from transformers import AutoModelForCausalLM
 
@@ -605,10 +605,10 @@ def run_transformers(args, model_dir, dtype, workload, pad_id, bracket=None) -> 
         logger.info("transformers %s probe bs=%d: %.1f tok/s", dtype, bs, probe[bs]["tokens_per_s"])
     best = max(probe, key=lambda b: probe[b]["tokens_per_s"])
     logger.info("transformers %s: full run at batch size %d", dtype, best)
-    around = [bracket()] if bracket is not None else []
+    around = [bracket()["generate_s"]] if bracket is not None else []
     outputs, generate_s = _hf_generate(model, prompts, max_tokens, best, pad_id, f"hf bs={best}")
     if bracket is not None:
-        around.append(bracket())
+        around.append(bracket()["generate_s"])
     del model
     gc.collect()
     return {
@@ -972,11 +972,7 @@ def main(argv: list[str] | None = None) -> None:
         if "transformers" in args.systems:
             logger.info("transformers %s", dtype)
 
-            bracket = (
-                functools.partial(lambda engine: pdserve_round(engine, workload)["generate_s"], llm)
-                if llm is not None
-                else None
-            )
+            bracket = functools.partial(pdserve_round, llm, workload) if llm is not None else None
             per["transformers"] = run_transformers(
                 args, model_dir, dtype, workload, facts["pad_token_id"] or 0, bracket
             )

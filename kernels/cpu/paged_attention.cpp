@@ -454,15 +454,15 @@ void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   const T* v_ptr = v.data_ptr<T>();
   T* cache_ptr = cache.data_ptr<T>();
   const int64_t head_stride = block_size * d, kv_stride = heads * head_stride;
+  const int64_t k_tok = k.stride(0), k_head = k.stride(1), v_tok = v.stride(0), v_head = v.stride(1);
   const size_t row_bytes = d * sizeof(T);
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t s = slot_ptr[t];
     TORCH_CHECK(s >= 0 && s < num_slots, "slot ", s, " outside the cache (", num_slots, " slots)");
     T* dst = cache_ptr + (s / block_size) * 2 * kv_stride + (s % block_size) * d;
     for (int64_t h = 0; h < heads; ++h) {
-      std::memcpy(dst + h * head_stride, k_ptr + t * k.stride(0) + h * k.stride(1), row_bytes);
-      std::memcpy(dst + kv_stride + h * head_stride, v_ptr + t * v.stride(0) + h * v.stride(1),
-                  row_bytes);
+      std::memcpy(dst + h * head_stride, k_ptr + t * k_tok + h * k_head, row_bytes);
+      std::memcpy(dst + kv_stride + h * head_stride, v_ptr + t * v_tok + h * v_head, row_bytes);
     }
   }
 }
