@@ -47,6 +47,12 @@ class GatewayConfig:
     each entry is one node that gRPC resolves itself)."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish before the servers stop."""
+    keep_alive_timeout_s: float = 30.0
+    """How long an idle HTTP/1.1 connection stays open for the client's next request. Longer
+    than the idle expiry of common client pools (httpx, which the openai client uses: 5 s), so
+    the client, not the server, closes an idle connection: when the server closes one just as
+    the client reuses it, the request dies with a connection reset (uvicorn's default is 5 s).
+    """
     log_level: str = "INFO"
     """Logging level name."""
 
@@ -70,6 +76,8 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.dns_refresh_s < 0:
             raise ValueError(f"dns_refresh_s must be >= 0, got {self.dns_refresh_s}")
+        if self.keep_alive_timeout_s <= 0:
+            raise ValueError(f"keep_alive_timeout_s must be > 0, got {self.keep_alive_timeout_s}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):

@@ -99,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="on SIGTERM, how long requests in flight may take to finish (seconds)",
     )
+    parser.add_argument(
+        "--keep-alive-timeout-s",
+        type=float,
+        default=30.0,
+        help="how long an idle HTTP connection is kept open for the client's next request "
+        "(seconds); keep it above the clients' own idle expiry (httpx: 5 s), or a request sent "
+        "just as the server closes the connection fails with a reset",
+    )
     # SUPPRESS: under `pdserve gateway` the top-level --log-level must not be overwritten by
     # this sub-command's default.
     parser.add_argument(
@@ -126,6 +134,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         request_timeout_s=args.request_timeout_s,
         dns_refresh_s=args.dns_refresh_s,
         drain_timeout_s=args.drain_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
         log_level=_log_level(args),
     )
 
@@ -150,7 +159,9 @@ class RestServer:
     """uvicorn serving the FastAPI app on a socket bound here (a bind error is an OSError
     for the caller, not uvicorn's sys.exit)."""
 
-    def __init__(self, app: object, host: str, port: int, log_level: str) -> None:
+    def __init__(
+        self, app: object, host: str, port: int, log_level: str, keep_alive_timeout_s: float
+    ) -> None:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -163,6 +174,7 @@ class RestServer:
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=_SERVER_STOP_GRACE_S,
+            timeout_keep_alive=keep_alive_timeout_s,
         )
         self._server = _UvicornServer(config)
         self._task: asyncio.Task[None] | None = None
@@ -213,7 +225,9 @@ async def serve(
     try:
         await discovery.start(registry)
         await registry.start()
-        rest = RestServer(build_app(ctx), config.host, config.port, config.log_level)
+        rest = RestServer(
+            build_app(ctx), config.host, config.port, config.log_level, config.keep_alive_timeout_s
+        )
         await rest.start()
         grpc_port = None
         if config.grpc_port is not None:

@@ -37,6 +37,7 @@ def test_flag_defaults() -> None:
     assert config.decode_nodes == ("h:1", "h:2") and config.prefill_nodes == ()
     assert (config.host, config.port, config.grpc_port) == ("127.0.0.1", 8000, 50051)
     assert config.max_model_len is None
+    assert config.keep_alive_timeout_s == 30.0
     config = config_from_args(
         parse(
             "--model", "m", "--decode-nodes", "h:1", "--grpc-port", "0", "--served-model-name", "n"
@@ -70,6 +71,7 @@ def test_top_level_log_level_survives_the_sub_command() -> None:
         ({"port": -1}, "port"),
         ({"max_num_requests": 0}, "max_num_requests"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"keep_alive_timeout_s": 0}, "keep_alive_timeout_s"),
         ({"log_level": "LOUD"}, "log level"),
     ],
 )
