@@ -86,7 +86,7 @@ _store_kv: Callable[..., None] | None = None
 
 
 def use_cpu_attention_ops(ops: ModuleType | None) -> None:
-    """Route CPU attention through the compiled kernels (kernels/cpu): decode attention
+    """Route CPU attention through the compiled kernels (pdserve_kernels/cpu): decode attention
     paged_decode_attention_out(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
     int64, scale, out [B, Hq, D]) and the K/V store store_kv(k, v, kv_cache, slot_mapping); or
     back to the pure-torch path with None."""

@@ -1,5 +1,5 @@
 """GPU path of ``engine.attention.paged_attention``: the same contract, on the Triton
-kernels of ``kernels/`` (store the new K/V, decode kernel on the decode part, varlen
+kernels of ``pdserve_kernels/`` (store the new K/V, decode kernel on the decode part, varlen
 prefill kernel on the multi-token requests)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
-from kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from pdserve_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
 
 def triton_paged_attention(

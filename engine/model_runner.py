@@ -21,7 +21,7 @@ from engine.models.loader import ModelArch
 from engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
 from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
 from engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
-from kernels.cpu import cpu_ops
+from pdserve_kernels.cpu import cpu_ops
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ _argmax_kernel: Callable[[Tensor], Tensor] | None = None
 
 
 def use_cpu_sampling_ops(ops: ModuleType | None) -> None:
-    """Take row argmaxes through the compiled argmax_rows (kernels/cpu), or through torch with
+    """Take row argmaxes through the compiled argmax_rows (pdserve_kernels/cpu), or through torch with
     None."""
     global _argmax_kernel
     _argmax_kernel = ops.argmax_rows if ops is not None else None

@@ -51,7 +51,7 @@ def _onednn_linear_available() -> bool:
 _ONEDNN = _onednn_linear_available()
 
 _fused: ModuleType | None = None
-"""Compiled fused layers (kernels/cpu: rms_norm, fused_add_rms_norm, rotary_embedding,
+"""Compiled fused layers (pdserve_kernels/cpu: rms_norm, fused_add_rms_norm, rotary_embedding,
 silu_and_mul), or None for the torch ops. Same rounding as the torch code below."""
 
 

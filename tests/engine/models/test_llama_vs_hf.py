@@ -22,7 +22,7 @@ from engine.models import llama
 from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model, parse_model_arch
 from engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
-from kernels.cpu import cpu_ops
+from pdserve_kernels.cpu import cpu_ops
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BLOCK_SIZE = 16

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged_common import cache_strides
+from pdserve_kernels._paged_common import cache_strides
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def reshape_and_cache(
     slot_mapping: torch.Tensor,  # [T] int32/int64; < 0 skipped
 ) -> None:
     """Store each token's K and V at its slot of the cache (same contract as
-    ``kernels.reference.reshape_and_cache_ref``)."""
+    ``pdserve_kernels.reference.reshape_and_cache_ref``)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
     assert kv_cache.shape[1] == 2 and kv_cache.shape[3:] == (num_kv_heads, head_dim)

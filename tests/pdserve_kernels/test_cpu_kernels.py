@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine import attention
 from engine.attention import AttentionMetadata, paged_attention
 from engine.models.llama import apply_rope
-from kernels.cpu import cpu_ops
+from pdserve_kernels.cpu import cpu_ops
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kernels.reference import (  # noqa: E402
+from pdserve_kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     reshape_and_cache_ref,
@@ -266,7 +266,7 @@ def _tol(spec: dict) -> tuple[float, float]:
 
 
 def _check_decode(spec: dict) -> dict:
-    from kernels import paged_decode_attention
+    from pdserve_kernels import paged_decode_attention
 
     c = decode_case(**{k: v for k, v in spec.items() if k in _BUILD_KEYS})
     ref = paged_decode_attention_ref(c["q"], c["cache"], c["tables"], c["seq_lens"], c["scale"])
@@ -275,7 +275,7 @@ def _check_decode(spec: dict) -> dict:
 
 
 def _check_prefill(spec: dict) -> dict:
-    from kernels import paged_prefill_attention
+    from pdserve_kernels import paged_prefill_attention
 
     c = prefill_case(**{k: v for k, v in spec.items() if k in _BUILD_KEYS})
     args = (c["q"], c["cache"], c["tables"], c["qsl"], c["seq_lens"], c["scale"])
@@ -303,7 +303,7 @@ def _store_inputs(spec: dict):
 
 
 def _check_store(spec: dict) -> dict:
-    from kernels import reshape_and_cache
+    from pdserve_kernels import reshape_and_cache
 
     k, v, cache, slots = _store_inputs(spec)
     ref = cache.clone()
@@ -455,7 +455,7 @@ def test_kernel_matches_reference(interpreter_results: dict, name: str) -> None:
 
 
 def test_triton_available_is_false_without_cuda() -> None:
-    from kernels import triton_available
+    from pdserve_kernels import triton_available
 
     assert triton_available() == torch.cuda.is_available()
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._paged_common import (
+from pdserve_kernels._paged_common import (
     LOG2E,
     cache_strides,
     check_cache,
@@ -121,7 +121,7 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into (e.g. a slice of a batch)
     block_m: int = 64,  # query tokens per program (capped by max_query_len)
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Same contract as ``kernels.reference.paged_prefill_attention_ref``."""
+    """Same contract as ``pdserve_kernels.reference.paged_prefill_attention_ref``."""
     block_size, num_kv_heads, head_dim = check_cache(kv_cache)
     num_tokens, num_q_heads, _ = q.shape
     assert q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
