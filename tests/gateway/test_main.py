@@ -1,5 +1,5 @@
-"""The gateway process: flags and config validation, and `python -m gateway.main` serving,
-then draining on SIGTERM."""
+"""The gateway process: flags and config validation, idle HTTP connections, and
+`python -m gateway.main` serving, then draining on SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.main import add_arguments, config_from_args
+from tests.gateway.conftest import StartCluster
 from tests.gateway.fake_nodes import DecodeBehaviour, FakeDecodeNode, start_decode_node
-from tests.gateway.harness import BackgroundLoop
+from tests.gateway.harness import BackgroundLoop, Cluster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,6 +80,39 @@ def test_config_validation(changes: dict, message: str) -> None:
     settings = {"model": "m", "served_model_name": "m", "decode_nodes": ("h:1",), **changes}
     with pytest.raises(ValueError, match=message):
         GatewayConfig(**settings)
+
+
+def _idle_connection_closed_within(base_url: str, wait_s: float) -> bool:
+    """One keep-alive request on a raw socket, then: did the server close the idle connection
+    within wait_s?"""
+    host, port = base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        response = b""
+        while b"\r\n\r\n" not in response:  # /health answers with headers and a tiny body
+            chunk = sock.recv(4096)
+            assert chunk, "closed before answering"
+            response += chunk
+        assert response.startswith(b"HTTP/1.1 200"), response
+        sock.settimeout(wait_s)
+        try:
+            while sock.recv(4096):  # the rest of the body, then b"" once the server closes
+                pass
+        except TimeoutError:
+            return False
+        return True
+
+
+def test_idle_connections_outlive_the_clients_pool_expiry(gw: Cluster) -> None:
+    """The keep-alive race behind a flake of test_mixed_concurrent_good_and_bad: when the server
+    closed an idle connection (uvicorn's 5 s default) just as the client reused it, the request
+    died with httpx.ReadError. The gateway keeps idle connections longer than httpx's 5 s."""
+    assert not _idle_connection_closed_within(gw.base_url, 6.0)
+
+
+def test_idle_connections_close_after_keep_alive_timeout(make_cluster: StartCluster) -> None:
+    cluster = make_cluster(keep_alive_timeout_s=0.3)
+    assert _idle_connection_closed_within(cluster.base_url, 5.0)
 
 
 def free_port() -> int:
