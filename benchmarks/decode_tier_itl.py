@@ -21,8 +21,8 @@ import time
 
 import grpc
 
-from engine.request import SamplingParams
-from pdserve.protocol import sampling_params_to_proto
+from pdserve.common.protocol import sampling_params_to_proto
+from pdserve.engine.request import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 

@@ -79,7 +79,7 @@ class Config:
 
 
 def layout(dtype: str) -> Any:
-    from kvtransfer.wire import LayoutSignature
+    from pdserve.kvtransfer.wire import LayoutSignature
 
     model, num_layers, num_kv_heads, head_dim, block_size = SMALL_MODEL
     return LayoutSignature(model, dtype, num_layers, num_kv_heads, head_dim, block_size)
@@ -111,8 +111,8 @@ def receiver_process(ctrl: Connection, config: Config) -> None:
 
 async def serve_commands(ctrl: Connection, config: Config) -> None:
     """Obey the sender's commands until "stop": expect a transfer, report CPU, idle."""
-    from kvtransfer.transport import make_receiver
-    from kvtransfer.wire import LayoutSignature
+    from pdserve.kvtransfer.transport import make_receiver
+    from pdserve.kvtransfer.wire import LayoutSignature
 
     receiver = make_receiver(config.transport)
     await receiver.start()
@@ -173,7 +173,7 @@ class Driver:
     async def transfer(self, lay: Any, data: np.ndarray, num_messages: int) -> float:
         """Push data (whole blocks of lay) as num_messages concurrent messages; returns the
         seconds from the first send() call to the receiver's wait() returning."""
-        from kvtransfer.wire import TransferHeader
+        from pdserve.kvtransfer.wire import TransferHeader
 
         self.count += 1
         transfer_id = f"bench-{self.count}"
@@ -194,7 +194,7 @@ class Driver:
 
 
 async def drive(ctrl: Connection, config: Config) -> dict[str, Any]:
-    from kvtransfer.transport import make_sender
+    from pdserve.kvtransfer.transport import make_sender
 
     address = await asyncio.to_thread(ctrl.recv)
     sender = make_sender(config.transport)

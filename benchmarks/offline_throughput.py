@@ -306,7 +306,7 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
     per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
     per_layer += 3 * hidden * inter
     matmul_params = layers * per_layer + vocab * hidden  # + lm_head (tied or not)
-    from engine.tokenizer import Tokenizer
+    from pdserve.engine.tokenizer import Tokenizer
 
     tok_vocab = Tokenizer.from_pretrained(str(model_dir)).vocab_size
     special = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
@@ -354,7 +354,7 @@ def matmul_gflops(dtype: torch.dtype, shape: list[int], reps: int) -> dict[str, 
     b = torch.randn(k, n, generator=gen).to(dtype)
     rates = {"torch_mm": _best_rate(lambda: torch.mm(a, b), m * k * n, reps)}
     try:
-        from engine.models.llama import pack_weight, packed_linear
+        from pdserve.engine.models.llama import pack_weight, packed_linear
 
         w = b.t().contiguous()  # [n, k], a linear layer's weight
         packed = pack_weight(w, m)
@@ -388,7 +388,7 @@ def _best_rate(fn, mkn: int, reps: int) -> dict[str, Any]:
 
 def start_pdserve(args, model_dir, dtype) -> tuple[Any, dict[str, float]]:
     """The engine, built and warmed up once for all rounds."""
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     t0 = time.perf_counter()
     llm = LLM(
@@ -409,7 +409,7 @@ def start_pdserve(args, model_dir, dtype) -> tuple[Any, dict[str, float]]:
 
 def pdserve_round(llm, workload) -> dict[str, Any]:
     """One timed run of the workload, every prompt computed (the prefix cache reset first)."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -447,7 +447,7 @@ class _Timer:
 
 def measure_decode(llm, batch: int, args, token_range, facts) -> dict[str, Any]:
     """Exactly `batch` running decode requests; times `steps` engine steps from outside."""
-    from engine import SamplingParams
+    from pdserve.engine import SamplingParams
 
     eng = llm.engine
     runner = eng.runner

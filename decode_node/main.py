@@ -7,16 +7,8 @@ import argparse
 import asyncio
 import logging
 
-from decode_node.remote_prefill import RemotePrefiller
-from decode_node.servicer import DecodeServicer
-from decode_node.telemetry import DecodeTelemetry
-from engine.config import SpeculativeConfig
-from engine.engine_loop import EngineLoop
-from engine.platform import freeze_startup_objects
-from kvtransfer.connector import KVPullConnector, kv_layout
-from kvtransfer.transport import make_receiver
-from pdserve import tracing
-from pdserve.node import (
+from pdserve.common import tracing
+from pdserve.common.node import (
     NodeServer,
     add_node_args,
     build_engine,
@@ -26,7 +18,15 @@ from pdserve.node import (
     start_metrics_server,
     stop_event_on_signals,
 )
-from pdserve.node_metrics import NodeMetrics
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.decode_node.remote_prefill import RemotePrefiller
+from pdserve.decode_node.servicer import DecodeServicer
+from pdserve.decode_node.telemetry import DecodeTelemetry
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.platform import freeze_startup_objects
+from pdserve.kvtransfer.connector import kv_layout
+from pdserve.kvtransfer.transport import make_receiver
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -104,10 +104,10 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = NodeMetrics(engine, "decode", model, this_node)
     speculative = getattr(engine, "spec_stats", None) is not None
     telemetry = DecodeTelemetry(metrics, this_node, speculative)
-    engine_loop = EngineLoop(engine, loop, after_step=telemetry.watcher.after_step)
+    engine_loop = EngineLoop(engine, loop)
     receiver = make_receiver(args.kv_transport, host=args.kv_host, port=args.kv_port)
     await receiver.start()
-    layout = kv_layout(model, engine.runner.kv_cache, engine.cache_config.block_size)
+    layout = kv_layout(model, engine.kv_cache, engine.cache_config.block_size)
     prefiller = RemotePrefiller(
         engine_loop, receiver, layout, args.prefill_timeout_s, args.kv_transfer_timeout_s, metrics
     )
@@ -116,7 +116,6 @@ async def serve(args: argparse.Namespace) -> None:
     )
     metrics_server = start_metrics_server(metrics.registry, args)
     servicer.metrics_address = metrics_server.address if metrics_server else ""
-    engine.kv_connector = KVPullConnector(loop, servicer.on_remote_prefill)
     service = node_pb2.DESCRIPTOR.services_by_name["DecodeNode"].full_name
     server = NodeServer(args.host, args.port, [service])
     node_pb2_grpc.add_DecodeNodeServicer_to_server(servicer, server.server)

@@ -20,15 +20,16 @@ import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
-from engine.engine_loop import EngineLoop
-from engine.scheduler import RemotePrefill, SampledTokens
-from kvtransfer.connector import cdiv, scatter_blocks
-from kvtransfer.transport import KVReceiver, KVTransferError
-from kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
-from pdserve import tracing
-from pdserve.node import GRPC_OPTIONS
-from pdserve.node_metrics import NodeMetrics
-from pdserve.protocol import logprob_from_proto, sampling_params_to_proto
+from pdserve.common import tracing
+from pdserve.common.node import GRPC_OPTIONS
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.protocol import layout_to_proto, logprob_from_proto, sampling_params_to_proto
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.outputs import RemotePrefill, SampledTokens
+from pdserve.engine.utils import cdiv
+from pdserve.kvtransfer.connector import scatter_blocks
+from pdserve.kvtransfer.transport import KVReceiver, KVTransferError
+from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -159,14 +160,18 @@ class RemotePrefiller:
         skip = rp.num_local_cached_tokens // block_size
         num_blocks = cdiv(len(tracked.prompt_token_ids), block_size) - skip
         transfer_id = f"{tracked.request_id}/{uuid.uuid4().hex[:12]}"
-        kv_cache = self.engine_loop.engine.runner.kv_cache
+        engine_loop = self.engine_loop
         block_ids = rp.block_ids
         arrivals = _Arrivals()
 
         def on_blocks(header: TransferHeader, payload) -> None:
             # wire block j is the request's block skip + j (the receiver checked the range)
             start = skip + header.first_block
-            scatter_blocks(kv_cache, block_ids[start : start + header.num_blocks], payload)
+            target = block_ids[start : start + header.num_blocks]
+            data = payload.copy()  # the transport reuses its buffer once this returns
+            # Written on the engine thread, between steps: queued before the request's join
+            # (or its abort), so every block is in place before the request computes or frees.
+            engine_loop.submit(lambda: scatter_blocks(engine_loop.engine.kv_cache, target, data))
             arrivals.note(header)
 
         self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
@@ -228,25 +233,3 @@ async def _ignore_errors(call) -> None:
         await call
     except grpc.aio.AioRpcError as e:
         logger.debug("abort on prefill node failed: %s", e)
-
-
-def layout_to_proto(layout: LayoutSignature) -> node_pb2.KVLayout:
-    return node_pb2.KVLayout(
-        model=layout.model,
-        dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-    )
-
-
-def layout_from_proto(msg: node_pb2.KVLayout) -> LayoutSignature:
-    return LayoutSignature(
-        model=msg.model,
-        dtype=msg.dtype,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        block_size=msg.block_size,
-    )

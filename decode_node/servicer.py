@@ -10,14 +10,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from decode_node.remote_prefill import RemotePrefiller, Tracked
-from decode_node.telemetry import DecodeRequestTelemetry, DecodeTelemetry
-from engine.engine_loop import EngineLoop, RequestStream
-from engine.llm_engine import LLMEngine
-from engine.scheduler import RemotePrefill, RequestUpdate
-from pdserve import tracing
-from pdserve.node import node_load
-from pdserve.protocol import finish_reason_to_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.common import tracing
+from pdserve.common.node import node_load
+from pdserve.common.protocol import (
+    finish_reason_to_proto,
+    logprob_to_proto,
+    sampling_params_from_proto,
+)
+from pdserve.decode_node.remote_prefill import RemotePrefiller, Tracked
+from pdserve.decode_node.telemetry import DecodeRequestTelemetry, DecodeTelemetry
+from pdserve.engine.engine_loop import EngineLoop, RequestStream
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RemotePrefill, RequestUpdate
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -46,15 +50,6 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         """host:port of this node's /metrics, reported in NodeLoad ("" = off)."""
         self.tracked: dict[str, Tracked] = {}
         self._seeds = random.Random()
-
-    # -- called by the engine's KV connector (on the event loop) -----------------------------------
-
-    def on_remote_prefill(self, rp: RemotePrefill) -> None:
-        tracked = self.tracked.get(rp.request_id)
-        if tracked is None or self.prefiller is None:  # gone already: the abort frees blocks
-            self.loop.submit(lambda: self.loop.engine.fail_remote_prefill(rp.request_id))
-            return
-        tracked.task = asyncio.ensure_future(self.prefiller.run(rp, tracked))
 
     # -- RPCs --------------------------------------------------------------------------------------
 
@@ -89,7 +84,6 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 seed=seed,
                 wants_remote_prefill=bool(candidates),
             )
-            self.telemetry.watcher.watch(rid, observed.times)
 
         try:
             await self.loop.call(add)
@@ -120,6 +114,9 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
             first = True
             while finished_reason is None:
                 update = await stream.get(self.token_timeout_s)
+                if isinstance(update, RemotePrefill):
+                    self._start_remote_prefill(update, tracked)
+                    continue
                 observed.on_update(update)
                 if update.finished:
                     finished_reason = update.status.finish_reason
@@ -137,6 +134,13 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
             self.tracked.pop(rid, None)
             reason = finished_reason or "abort"
             observed.end(reason, tracked.prefilled_by, tracked.kv_bytes, error)
+
+    def _start_remote_prefill(self, rp: RemotePrefill, tracked: Tracked) -> None:
+        """The engine reserved the request's blocks: have a prefill node fill them."""
+        if self.prefiller is None:  # reserved only when the request named candidates
+            self.loop.submit(lambda: self.loop.engine.fail_remote_prefill(rp.request_id))
+            return
+        tracked.task = asyncio.ensure_future(self.prefiller.run(rp, tracked))
 
     def _chunk(self, update: RequestUpdate, tracked: Tracked, first: bool) -> node_pb2.TokenChunk:
         chunk = node_pb2.TokenChunk(

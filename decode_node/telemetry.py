@@ -22,10 +22,10 @@ from collections.abc import Iterable
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
-from engine.scheduler import RequestUpdate
-from pdserve import tracing
-from pdserve.node_metrics import NodeMetrics
-from pdserve.request_times import RequestTimes, ScheduleWatcher
+from pdserve.common import tracing
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.request_times import RequestTimes
+from pdserve.engine.outputs import RequestUpdate
 
 
 class DecodeRequestTelemetry:
@@ -59,6 +59,7 @@ class DecodeRequestTelemetry:
     def on_update(self, update: RequestUpdate) -> None:
         if self.times.first_token_s is None:
             self.times.first_token_s = time.monotonic()
+            self.times.scheduled_s = update.scheduled_s
             self.num_cached_tokens = update.num_cached_tokens
         elif len(update.new_token_ids) > 1:
             # After the first token, a step emits 1 + the speculative tokens it accepted.
@@ -116,15 +117,13 @@ class DecodeRequestTelemetry:
 
 
 class DecodeTelemetry:
-    """Telemetry of a decode node's requests: metrics, spans, and the schedule watcher whose
-    after_step hook must run on the engine loop."""
+    """Telemetry of a decode node's requests: metrics and spans."""
 
     def __init__(self, metrics: NodeMetrics, node_id: str, speculative: bool) -> None:
         self.metrics = metrics
         self.node_id = node_id
         self.speculative = speculative
         """Whether the engine speculates (spans then carry accepted speculative tokens)."""
-        self.watcher = ScheduleWatcher()
 
     def begin(
         self,

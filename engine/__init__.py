@@ -1,13 +1,13 @@
 """The shared engine core: paged KV cache, unified scheduler, model runner, sampler."""
 
-from engine.request import RequestOutput, SamplingParams
+from pdserve.engine.request import RequestOutput, SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
 
 
 def __getattr__(name: str):  # LLM imports torch; keep `import engine.request` light
     if name == "LLM":
-        from engine.llm import LLM
+        from pdserve.engine.llm import LLM
 
         return LLM
     raise AttributeError(name)

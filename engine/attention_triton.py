@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention import AttentionMetadata
-from pdserve_kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.kernels import paged_decode_attention, paged_prefill_attention, reshape_and_cache
 
 
 def triton_paged_attention(

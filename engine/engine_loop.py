@@ -1,15 +1,18 @@
 """Runs an LLMEngine in its own thread for an asyncio server (the node services).
 
-The engine is single-threaded: only the engine thread touches it. Everything else talks to it
-through `call()` (run a function on the engine thread, await its result) and receives each
-request's updates on an asyncio queue. Between steps the thread runs queued calls; when there
-is nothing to compute it sleeps on its inbox, so an idle node burns no CPU.
+The engine is single-threaded: only the engine thread touches it (it claims the engine, whose
+state-changing methods then refuse other threads). Everything else talks to it through `call()`
+(run a function on the engine thread, await its result) or `submit()` (fire and forget), and
+receives what each step produced for a request on that request's stream: its updates and, on a
+decode node, the remote prefill its admission asks for. Between steps the thread runs queued
+calls; when there is nothing to compute it sleeps on its inbox, so an idle node burns no CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -17,9 +20,9 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from engine.llm_engine import LLMEngine
-from engine.request import RequestStatus
-from engine.scheduler import RequestUpdate
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RemotePrefill, RequestUpdate, StepOutput
+from pdserve.engine.request import RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -32,17 +35,22 @@ BLOCKED_WAIT_S = 0.002
 THROUGHPUT_WINDOW_S = 10.0
 
 
+StreamItem = RequestUpdate | RemotePrefill
+"""What a request's stream delivers: its new tokens, or (decode role, once, before any token)
+the blocks reserved for a prefill node to fill."""
+
+
 class RequestStream:
-    """A request's updates, delivered on the event loop. A finished update ends it; an
-    exception put here (e.g. the engine stopped) is raised by get()."""
+    """What the engine produced for one request, delivered on the event loop. A finished
+    update ends it; an exception put here (e.g. the engine stopped) is raised by get()."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
+        self._queue: asyncio.Queue[StreamItem | BaseException] = asyncio.Queue()
 
-    def put(self, item: RequestUpdate | BaseException) -> None:
+    def put(self, item: StreamItem | BaseException) -> None:
         self._queue.put_nowait(item)
 
-    async def get(self, timeout_s: float) -> RequestUpdate:
+    async def get(self, timeout_s: float) -> StreamItem:
         item = await asyncio.wait_for(self._queue.get(), timeout_s)
         if isinstance(item, BaseException):
             raise item
@@ -50,18 +58,11 @@ class RequestStream:
 
 
 class EngineLoop:
-    """Owns the engine thread. after_step(engine, updates) runs on that thread after every step
-    (the prefill role uses it to end requests after their first token)."""
+    """Owns the engine thread and delivers each step's output to the requests' streams."""
 
-    def __init__(
-        self,
-        engine: LLMEngine,
-        loop: asyncio.AbstractEventLoop,
-        after_step: Callable[[LLMEngine, list[RequestUpdate]], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
         self.engine = engine
         self.loop = loop
-        self._after_step = after_step
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._stop = threading.Event()
@@ -115,10 +116,16 @@ class EngineLoop:
     def publish(self, updates: list[RequestUpdate]) -> None:
         """Deliver updates made on the engine thread (e.g. by finish_remote_prefill)."""
         if updates:
-            self.loop.call_soon_threadsafe(self._deliver, updates)
+            self.loop.call_soon_threadsafe(self._deliver, StepOutput(updates))
 
-    def _deliver(self, updates: list[RequestUpdate]) -> None:
-        for update in updates:
+    def _deliver(self, output: StepOutput) -> None:
+        for rp in output.remote_prefills:
+            stream = self._streams.get(rp.request_id)
+            if stream is not None:
+                stream.put(rp)
+            else:  # nobody will fill the blocks (an abort on its way frees them)
+                self.submit(functools.partial(self.engine.fail_remote_prefill, rp.request_id))
+        for update in output.updates:
             stream = self._streams.get(update.request_id)
             if stream is not None:
                 stream.put(update)
@@ -147,17 +154,16 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
+            self.engine.claim_thread()
             while not self._stop.is_set():
                 self._run_inbox(wait_s=0.0 if self.engine.has_work() else IDLE_WAIT_S)
                 if self._stop.is_set() or not self.engine.has_work():
                     continue
-                updates = self.engine.step()
-                if self._after_step is not None:
-                    self._after_step(self.engine, updates)
-                if updates:
-                    self._note_tokens(updates)
-                    self.loop.call_soon_threadsafe(self._deliver, updates)
-                else:
+                output = self.engine.step()
+                if output:
+                    self._note_tokens(output.updates)
+                    self.loop.call_soon_threadsafe(self._deliver, output)
+                if not output.updates:
                     self._run_inbox(wait_s=BLOCKED_WAIT_S)
         except BaseException as e:  # noqa: BLE001 - reported to every waiter
             logger.exception("engine thread failed")

@@ -10,10 +10,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.request import CompletionOutput, Request, RequestOutput, RequestStatus, SamplingParams
-from engine.tokenizer import IncrementalDetokenizer
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.request import (
+    CompletionOutput,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from pdserve.engine.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +161,7 @@ class LLM:
         bar = tqdm(total=len(tracked), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while pending:
-                for update in self.engine.step():
+                for update in self.engine.step().updates:
                     item = by_id.get(update.request_id)
                     if item is None:
                         continue

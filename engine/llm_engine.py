@@ -10,27 +10,32 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from engine.kv_cache.manager import KVCacheManager
-from engine.model_runner import ModelRunner, kv_block_bytes
-from engine.models.loader import ModelArch, load_model
-from engine.platform import tune_allocator
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.sampler import SampleRow
-from engine.scheduler import (
-    RemotePrefill,
+import torch
+
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.models.loader import ModelArch, load_model
+from pdserve.engine.outputs import (
+    EngineLoad,
     RequestUpdate,
     SampledTokens,
-    Scheduler,
     SchedulerOutput,
+    StepOutput,
 )
-from engine.spec_decode.metrics import SpecDecodeStats
-from engine.spec_decode.speculator import Speculator, build_proposer
-from engine.tokenizer import Tokenizer
+from pdserve.engine.platform import tune_allocator
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.sampler import SampleRow
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
+from pdserve.engine.spec_decode.speculator import Speculator, build_proposer
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +55,17 @@ class EngineStats:
 
 
 class EngineKVConnector(Protocol):
-    """The engine's side of the KV connector (kvtransfer/connector.py implements it): hooks
-    the engine calls from its own thread. The scheduler itself does no I/O."""
+    """The engine's side of a KV connector that pushes KV out (the prefill role;
+    kvtransfer/connector.py implements it). The engine calls it on its own thread. The scheduler
+    itself does no I/O. (The decode role needs no connector: its remote prefills come out of
+    step() in StepOutput, and received blocks are written on the engine thread.)"""
 
-    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
-        """Decode role: blocks were reserved for these requests; have prefill nodes fill them.
-        Must not block: the outcome comes back through finish/fail_remote_prefill()."""
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        """Called once by the engine's constructor with the KV cache it allocated."""
 
     def after_execute(self, output: SchedulerOutput) -> None:
-        """Prefill role: the step's KV is written; snapshot and push the blocks that became
-        final. Runs before update_from_output(), so finished requests still hold blocks."""
+        """The step's KV is written; snapshot and push the blocks that became final. Runs
+        before update_from_output(), so finished requests still hold blocks."""
 
 
 class LLMEngine:
@@ -100,6 +106,9 @@ class LLMEngine:
         )
         self.stats = EngineStats()
         self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_cache(self.runner.kv_cache, self.cache_config.block_size)
+        self._owner_thread: int | None = None
         self.speculator = self._speculator(speculative_config)
         self._seed_rng = random.Random(model_config.seed)
         logger.info(
@@ -128,7 +137,7 @@ class LLMEngine:
             return cfg.num_blocks
         per_block = kv_block_bytes(arch, cfg.block_size, self.dtype)
         num_blocks = int(cfg.kv_cache_memory * GiB) // per_block
-        needed_one = -(-self.max_model_len // cfg.block_size) + 1
+        needed_one = cdiv(self.max_model_len, cfg.block_size) + 1
         if num_blocks < needed_one:
             raise ValueError(
                 f"kv_cache_memory {cfg.kv_cache_memory} GiB holds {num_blocks} blocks, fewer than "
@@ -150,9 +159,50 @@ class LLMEngine:
         logger.info("speculative decoding: %s", config)
         return Speculator(config, proposer, self.max_model_len)
 
+    # -- the facade: what code outside engine/ may use besides requests and steps -----------------
+
+    def claim_thread(self) -> None:
+        """From now on only the calling thread may change the engine (EngineLoop's thread calls
+        this first): the methods that change engine state raise RuntimeError on any other."""
+        self._owner_thread = threading.get_ident()
+
+    def _check_thread(self) -> None:
+        owner = self._owner_thread
+        if owner is not None and owner != threading.get_ident():
+            raise RuntimeError(
+                f"the engine belongs to thread {owner}; called from {threading.get_ident()} "
+                "(go through EngineLoop.call/submit)"
+            )
+
     @property
     def kv(self) -> KVCacheManager:
         return self.scheduler.kv
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The paged KV cache, [layers, blocks, 2, kv_heads, block_size, head_dim]. Writing
+        into it (received KV blocks) is a change of engine state: owner thread only."""
+        self._check_thread()
+        return self.runner.kv_cache
+
+    def load(self) -> EngineLoad:
+        """The engine's load, from any thread."""
+        scheduler, kv, stats = self.scheduler, self.scheduler.kv, self.stats
+        return EngineLoad(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            num_awaiting_kv=scheduler.num_awaiting_kv,
+            remote_prefill_backlog=scheduler.remote_prefill_backlog,
+            local_prefill_backlog=scheduler.local_prefill_backlog,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=self.num_blocks - 1,  # block 0 is the null block
+            kv_cache_usage=kv.usage,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_queries,
+            prefix_cache_hits=kv.prefix_hits,
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_generation_tokens=stats.num_generation_tokens,
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); False, changing
@@ -181,7 +231,7 @@ class LLMEngine:
                 f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = "
                 f"{total} exceeds max_model_len {self.max_model_len}"
             )
-        blocks_needed = -(-total // self.cache_config.block_size)
+        blocks_needed = cdiv(total, self.cache_config.block_size)
         if blocks_needed > self.num_blocks - 1:
             raise ValueError(
                 f"request needs {blocks_needed} KV blocks, the cache has {self.num_blocks - 1}"
@@ -196,10 +246,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         seed: int | None = None,
         wants_remote_prefill: bool = False,
+        prefill_only: bool = False,
     ) -> Request:
         """Validate and queue a request; raises ValueError (queueing nothing) if it is bad.
         seed overrides the effective sampling seed (a prefill node uses the decode node's, so
-        the first token is the one a local prefill would sample)."""
+        the first token is the one a local prefill would sample); prefill_only ends the request
+        after its first token (the prefill role)."""
+        self._check_thread()
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids, params)
         if seed is None:
@@ -213,14 +266,17 @@ class LLMEngine:
             cache_salt=cache_salt,
             seed=seed,
             wants_remote_prefill=wants_remote_prefill,
+            prefill_only=prefill_only,
         )
         self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> None:
+        self._check_thread()
         self.scheduler.abort_request(request_id)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        self._check_thread()
         self.scheduler.finish_requests([request_id], status)
 
     def has_unfinished_requests(self) -> bool:
@@ -234,6 +290,7 @@ class LLMEngine:
         self, request_id: str, first_token: SampledTokens, num_cached_tokens: int
     ) -> RequestUpdate | None:
         """A prefill node filled the request's blocks and sampled its first token."""
+        self._check_thread()
         update = self.scheduler.finish_remote_prefill(request_id, first_token, num_cached_tokens)
         if update is not None:
             self.stats.num_generation_tokens += len(update.new_token_ids)
@@ -241,27 +298,28 @@ class LLMEngine:
 
     def fail_remote_prefill(self, request_id: str) -> None:
         """No prefill node delivered: the request prefills locally."""
+        self._check_thread()
         self.scheduler.fail_remote_prefill(request_id)
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestUpdate]:
-        """Run one scheduler step; returns the requests that got new tokens."""
+    def step(self) -> StepOutput:
+        """Run one scheduler step: the requests that got new tokens, and (decode role) the
+        requests whose reserved blocks prefill nodes are to fill."""
+        self._check_thread()
         start = time.perf_counter()
+        start_s = time.monotonic()
         spec = self.speculator
         if spec is not None:
             spec.propose(self.scheduler.running)
         output = self.scheduler.schedule()
         if spec is not None:
             spec.after_schedule(output)
-        if output.remote_prefills:
-            if self.kv_connector is None:
-                raise RuntimeError("remote prefill requested but the engine has no KV connector")
-            self.kv_connector.start_remote_prefills(output.remote_prefills)
+        self._date_first_scheduling(output, start_s)
         if output.is_empty:
             if spec is not None:
                 spec.after_step(output, {}, [])
-            return []
+            return StepOutput([], output.remote_prefills)
         requests = self.scheduler.requests
         rows = {
             c.request_id: self._sample_row(requests[c.request_id])
@@ -289,7 +347,17 @@ class LLMEngine:
         self.stats.num_steps += 1
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
         self.stats.step_time_s += time.perf_counter() - start
-        return updates
+        return StepOutput(updates, output.remote_prefills)
+
+    def _date_first_scheduling(self, output: SchedulerOutput, start_s: float) -> None:
+        """Stamp requests scheduled for the first time with the step's start."""
+        requests = self.scheduler.requests
+        for request_id in [c.request_id for c in output.chunks] + [
+            rp.request_id for rp in output.remote_prefills
+        ]:
+            request = requests[request_id]
+            if request.scheduled_s is None:
+                request.scheduled_s = start_s
 
     def _sample_row(self, request: Request) -> SampleRow:
         return SampleRow(

@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
-from engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
-from engine.models.loader import ModelArch
-from engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
-from engine.scheduler import SampledTokens, ScheduledChunk, SchedulerOutput
-from engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
-from pdserve_kernels.cpu import cpu_ops
+from pdserve.engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
+from pdserve.engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
+from pdserve.engine.models.loader import ModelArch
+from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
+from pdserve.engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
+from pdserve.engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
+from pdserve.engine.utils import cdiv
+from pdserve.kernels.cpu import cpu_ops
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -121,7 +122,7 @@ class PagedModel:
             ids.extend(c.token_ids)
             pos.extend(range(c.start_pos, c.start_pos + n))
             context_len = c.start_pos + n
-            prefills.append(PrefillSeq(offset, n, context_len, table[: -(-context_len // bs)]))
+            prefills.append(PrefillSeq(offset, n, context_len, table[: cdiv(context_len, bs)]))
             offset += n
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
         block_tables, seq_lens, mask = self._decode_tables(decodes)
@@ -136,7 +137,7 @@ class PagedModel:
             return empty, torch.zeros(0, dtype=torch.long), None
         bs = self.block_size
         seq_lens = [c.start_pos + 1 for c in decodes]
-        max_blocks = -(-max(seq_lens) // bs)
+        max_blocks = cdiv(max(seq_lens), bs)
         table = [c.block_ids[:max_blocks] + [0] * (max_blocks - len(c.block_ids)) for c in decodes]
         block_tables = torch.tensor(table, dtype=torch.long)
         lens = torch.tensor(seq_lens, dtype=torch.long)

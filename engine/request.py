@@ -103,6 +103,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_PREFILLED = enum.auto()
+    """Prefill role: the first token is sampled; the decode node continues the request."""
 
     @property
     def finished(self) -> bool:
@@ -110,7 +112,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """OpenAI's finish_reason: "stop", "length", "abort", or None while unfinished."""
+        """OpenAI's finish_reason: "stop", "length", "abort", or None while unfinished (a
+        prefill-only request's is None too: it is not finished for the client)."""
         return _FINISH_REASONS.get(self)
 
 
@@ -118,6 +121,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_PREFILLED: None,
 }
 
 
@@ -162,6 +166,11 @@ class Request:
     wants_remote_prefill: bool = False
     """Decode role: at first admission, reserve the prompt's blocks and have a prefill node
     fill them (cleared once offered: a preempted request recomputes locally)."""
+    prefill_only: bool = False
+    """Prefill role: the request ends once its first token is sampled (FINISHED_PREFILLED);
+    its KV goes on to a decode node, which generates the rest."""
+    scheduled_s: float | None = None
+    """When the request was first scheduled (time.monotonic() at the start of that step)."""
 
     @property
     def all_token_ids(self) -> list[int]:

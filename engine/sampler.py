@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from engine.request import SamplingParams, TokenLogprobs
+from pdserve.engine.request import SamplingParams, TokenLogprobs
 
 SAMPLE_STREAM = 0
 """uniform_noise stream of the sampler's own draws (and of the tokens a rejection sampler

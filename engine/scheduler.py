@@ -12,79 +12,17 @@ No I/O and no torch here: schedule() returns plain data, update_from_output() fo
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.kv_cache.manager import NO_MATCH, KVCacheManager, PrefixMatch
-from engine.request import Request, RequestStatus, TokenLogprobs
-
-
-@dataclass
-class ScheduledChunk:
-    """One request's work in a step: compute token positions [start_pos, start_pos + len)."""
-
-    request_id: str
-    token_ids: list[int]
-    """Tokens to compute (prompt chunk, last sampled token, then any speculative tokens)."""
-    start_pos: int
-    """Position of token_ids[0] (= num_computed_tokens before the step)."""
-    block_ids: list[int]
-    """Every block the request holds, in position order."""
-    num_spec_tokens: int
-    """How many of token_ids' trailing tokens are speculative (to verify)."""
-    samples: bool
-    """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
-
-
-@dataclass
-class RemotePrefill:
-    """A request admitted with its prompt's blocks reserved, to be filled by a prefill node."""
-
-    request_id: str
-    block_ids: list[int]
-    """Every block reserved for the prompt, in position order."""
-    num_local_cached_tokens: int
-    """Leading prompt tokens already in this node's prefix cache (a multiple of the block
-    size): their blocks need no transfer."""
-
-
-@dataclass
-class SchedulerOutput:
-    """What to compute in one step, in batch order."""
-
-    chunks: list[ScheduledChunk]
-    num_batched_tokens: int
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
-    """Requests freed since the previous step (aborted), so workers can drop their state."""
-    remote_prefills: list[RemotePrefill] = field(default_factory=list)
-    """Requests admitted this step whose prompt KV must come from a prefill node."""
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
-
-
-@dataclass
-class SampledTokens:
-    """What the model produced for one request in one step."""
-
-    token_ids: list[int]
-    """Accepted tokens (1 without speculation; 1 + accepted drafts with it)."""
-    logprobs: list[TokenLogprobs | None] | None = None
-
-
-@dataclass
-class RequestUpdate:
-    """A request's new tokens after a step, and whether it finished."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs | None]
-    finished: bool
-    status: RequestStatus
-    num_cached_tokens: int = 0
-    """Prompt tokens served from a prefix cache at admission."""
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache.manager import NO_MATCH, KVCacheManager, PrefixMatch
+from pdserve.engine.outputs import (
+    RemotePrefill,
+    RequestUpdate,
+    SampledTokens,
+    ScheduledChunk,
+    SchedulerOutput,
+)
+from pdserve.engine.request import Request, RequestStatus, TokenLogprobs
 
 
 class Scheduler:
@@ -406,9 +344,12 @@ class Scheduler:
             request.finished,
             request.status,
             request.num_cached_tokens,
+            request.scheduled_s,
         )
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        if request.prefill_only:
+            return RequestStatus.FINISHED_PREFILLED
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if token_id in request.eos_token_ids and not params.ignore_eos:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.errors import ApiError
+from pdserve.gateway.errors import ApiError
 
 
 class Ticket:

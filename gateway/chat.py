@@ -7,11 +7,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.completions import final_usage, usage
-from gateway.context import GatewayContext
-from gateway.generation import GenerationRequest
-from gateway.logprobs import chat_logprobs
-from gateway.openai_api import (
+from pdserve.gateway.completions import final_usage, usage
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.generation import GenerationRequest
+from pdserve.gateway.logprobs import chat_logprobs
+from pdserve.gateway.openai_api import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -21,9 +21,9 @@ from gateway.openai_api import (
     ChatResponseMessage,
     DeltaMessage,
 )
-from gateway.prompts import chat_prompt_ids
-from gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
-from gateway.sequence import CompletionDelta, collect
+from pdserve.gateway.prompts import chat_prompt_ids
+from pdserve.gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
+from pdserve.gateway.sequence import CompletionDelta, collect
 
 
 def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> GenerationRequest:

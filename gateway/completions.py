@@ -7,19 +7,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from gateway.context import GatewayContext
-from gateway.generation import GenerationRequest
-from gateway.logprobs import completion_logprobs
-from gateway.openai_api import (
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.generation import GenerationRequest
+from pdserve.gateway.logprobs import completion_logprobs
+from pdserve.gateway.openai_api import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
     UsageInfo,
 )
-from gateway.prompts import completion_prompt_ids
-from gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
-from gateway.sequence import CompletionDelta, FinalOutput, collect
+from pdserve.gateway.prompts import completion_prompt_ids
+from pdserve.gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
+from pdserve.gateway.sequence import CompletionDelta, FinalOutput, collect
 
 
 def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> GenerationRequest:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gateway.discovery import NodeEntry
+from pdserve.gateway.discovery import NodeEntry
 
 
 def parse_address_list(value: str) -> tuple[str, ...]:

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.tokenizer import Tokenizer
-from gateway.admission import Admission
-from gateway.config import GatewayConfig
-from gateway.errors import ApiError
-from gateway.generation import GenerationRequest, Generator
-from gateway.logprobs import TokenTexts
-from gateway.metrics import GatewayMetrics
-from gateway.registry import NodeRegistry
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.generation import GenerationRequest, Generator
+from pdserve.gateway.logprobs import TokenTexts
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.registry import NodeRegistry
 from pdserve.v1 import common_pb2
 
 

@@ -17,9 +17,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.responses import HTMLResponse, JSONResponse
 
-from gateway.context import GatewayContext
-from gateway.live_stats import LiveStats
-from gateway.registry import NodeState
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.live_stats import LiveStats
+from pdserve.gateway.registry import NodeState
 
 PAGE = Path(__file__).with_name("static") / "dashboard.html"
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from gateway.registry import NodeRegistry, Role
+    from pdserve.gateway.registry import NodeRegistry, Role
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ import grpc
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
-from engine.tokenizer import Tokenizer
-from gateway.errors import ApiError
-from gateway.metrics import GatewayMetrics, SequenceTimer
-from gateway.registry import NodeRegistry, NodeState
-from gateway.router import Router
-from gateway.sequence import CompletionDelta, SequenceOutput
-from pdserve import tracing
+from pdserve.common import tracing
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.metrics import GatewayMetrics, SequenceTimer
+from pdserve.gateway.registry import NodeRegistry, NodeState
+from pdserve.gateway.router import Router
+from pdserve.gateway.sequence import CompletionDelta, SequenceOutput
 from pdserve.v1 import common_pb2, node_pb2
 
 logger = logging.getLogger(__name__)

@@ -13,16 +13,16 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.admission import Ticket
-from gateway.context import GatewayContext
-from gateway.errors import ApiError
-from gateway.generation import GenerationRequest
-from gateway.openai_api import MAX_N
-from gateway.prompts import chat_prompt_ids, check_token_ids
-from gateway.request_trace import RequestTrace
-from gateway.sampling import check_min_tokens, check_sampling_params, fit_max_tokens
-from gateway.sequence import CompletionDelta
-from pdserve import tracing
+from pdserve.common import tracing
+from pdserve.gateway.admission import Ticket
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.generation import GenerationRequest
+from pdserve.gateway.openai_api import MAX_N
+from pdserve.gateway.prompts import chat_prompt_ids, check_token_ids
+from pdserve.gateway.request_trace import RequestTrace
+from pdserve.gateway.sampling import check_min_tokens, check_sampling_params, fit_max_tokens
+from pdserve.gateway.sequence import CompletionDelta
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)

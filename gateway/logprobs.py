@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from engine.tokenizer import Tokenizer
-from gateway.openai_api import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.openai_api import ChatTokenLogprob, CompletionLogprobs, TopLogprob
 from pdserve.v1 import common_pb2
 
 # JSON has no -inf; vLLM clamps the same way.

@@ -20,20 +20,20 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from engine.platform import freeze_startup_objects
-from engine.tokenizer import Tokenizer
-from gateway.admission import Admission
-from gateway.config import GatewayConfig, parse_address_list
-from gateway.context import GatewayContext
-from gateway.discovery import NodeDiscovery, Resolver, resolve_ips
-from gateway.generation import Generator
-from gateway.grpc_front import GrpcFront
-from gateway.logprobs import TokenTexts
-from gateway.metrics import GatewayMetrics
-from gateway.registry import NodeRegistry
-from gateway.router import Router
-from gateway.server import build_app
-from pdserve import tracing
+from pdserve.common import tracing
+from pdserve.engine.platform import freeze_startup_objects
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.admission import Admission
+from pdserve.gateway.config import GatewayConfig, parse_address_list
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.discovery import NodeDiscovery, Resolver, resolve_ips
+from pdserve.gateway.generation import Generator
+from pdserve.gateway.grpc_front import GrpcFront
+from pdserve.gateway.logprobs import TokenTexts
+from pdserve.gateway.metrics import GatewayMetrics
+from pdserve.gateway.registry import NodeRegistry
+from pdserve.gateway.router import Router
+from pdserve.gateway.server import build_app
 
 logger = logging.getLogger("gateway")
 

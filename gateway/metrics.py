@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from gateway.live_stats import LiveStats
-from pdserve.metrics import (
+from pdserve.common.metrics import (
     REQUEST_LATENCY_BUCKETS_S,
     TOKEN_LATENCY_BUCKETS_S,
     TTFT_BUCKETS_S,
@@ -25,6 +24,7 @@ from pdserve.metrics import (
     new_registry,
     token_count_buckets,
 )
+from pdserve.gateway.live_stats import LiveStats
 
 LABELS = ("role", "model_name")
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import jinja2
 
-from engine.tokenizer import Tokenizer
-from gateway.errors import ApiError
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.gateway.errors import ApiError
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, param: str) -> list[int]:

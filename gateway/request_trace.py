@@ -17,9 +17,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 
-from gateway.errors import ApiError
-from gateway.generation import GenerationRequest
-from pdserve import tracing
+from pdserve.common import tracing
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.generation import GenerationRequest
 
 
 class RequestTrace:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
-from gateway.registry import NodeRegistry, NodeState
+from pdserve.gateway.registry import NodeRegistry, NodeState
 
 DEFAULT_MAX_HASHES_PER_NODE = 1 << 16
 

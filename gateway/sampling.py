@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.errors import ApiError
-from gateway.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingRequest
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingRequest
 from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (

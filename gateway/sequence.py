@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from gateway.stop_strings import StopStringMatcher
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.v1 import common_pb2, node_pb2
 
 _FINISH_REASONS = {

@@ -19,17 +19,22 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from gateway.admission import Ticket
-from gateway.chat import chat_response, chat_stream, prepare_chat
-from gateway.completions import completion_response, completion_stream, prepare_completion
-from gateway.context import GatewayContext
-from gateway.dashboard import add_dashboard_routes
-from gateway.errors import ApiError
-from gateway.generation import GenerationRequest
-from gateway.openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from gateway.request_trace import RequestTrace
-from gateway.sequence import CompletionDelta
-from pdserve import metrics, tracing
+from pdserve.common import metrics, tracing
+from pdserve.gateway.admission import Ticket
+from pdserve.gateway.chat import chat_response, chat_stream, prepare_chat
+from pdserve.gateway.completions import completion_response, completion_stream, prepare_completion
+from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.dashboard import add_dashboard_routes
+from pdserve.gateway.errors import ApiError
+from pdserve.gateway.generation import GenerationRequest
+from pdserve.gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pdserve.gateway.request_trace import RequestTrace
+from pdserve.gateway.sequence import CompletionDelta
 
 logger = logging.getLogger(__name__)
 

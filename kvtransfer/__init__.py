@@ -4,7 +4,7 @@ wire.py holds the versioned message format, transport.py the KVReceiver / KVSend
 interfaces and their factories; ucx.py, tcp.py and inproc.py implement them.
 """
 
-from kvtransfer.transport import (
+from pdserve.kvtransfer.transport import (
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -14,7 +14,7 @@ from kvtransfer.transport import (
     make_receiver,
     make_sender,
 )
-from kvtransfer.wire import (
+from pdserve.kvtransfer.wire import (
     WIRE_VERSION,
     KVLayoutMismatch,
     LayoutSignature,

@@ -1,14 +1,12 @@
 """The KV connector: the seam between the engine (scheduler + model runner) and a transport.
 
-Both halves implement engine.llm_engine.EngineKVConnector; the engine calls them on its own
-thread, and they hand all I/O to the node's event loop.
-
-- `KVPushConnector` (prefill role): after each step, snapshots the blocks of a request that
-  became final (full, or the prompt's last partial block once the prompt is done) and sends
-  them to the decode node's receiver, so the transfer overlaps the rest of the prefill.
-- `KVPullConnector` (decode role): when the scheduler reserves blocks for a remote prefill, asks
-  the node to find a prefill node (`start_remote_prefills` -> the node's callback) and scatters
-  arriving blocks into the reserved ones.
+- `KVPushConnector` (prefill role) implements engine.llm_engine.EngineKVConnector: after each
+  step, on the engine thread, it snapshots the blocks of a request that became final (full, or
+  the prompt's last partial block once the prompt is done) and hands their sending to the node's
+  event loop, so the transfer overlaps the rest of the prefill.
+- The decode role needs no connector object: its remote prefills come out of LLMEngine.step()
+  (StepOutput.remote_prefills) and decode_node/remote_prefill.py has arriving blocks written
+  with `scatter_blocks` on the engine thread.
 
 A transfer carries the request's blocks [skip_blocks, ceil(prompt_len / block_size)) - those
 the decode node does not have in its own prefix cache. Block indices on the wire count from
@@ -20,20 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from engine.scheduler import RemotePrefill, SchedulerOutput
-from kvtransfer.transport import KVSender, TransferStats
-from kvtransfer.wire import LayoutSignature, TransferHeader
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from pdserve.engine.outputs import SchedulerOutput
+from pdserve.engine.utils import cdiv
+from pdserve.kvtransfer.transport import KVSender, TransferStats
+from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader
 
 
 def kv_layout(model: str, kv_cache: torch.Tensor, block_size: int) -> LayoutSignature:
@@ -86,21 +80,28 @@ class _Push:
 
 
 class KVPushConnector:
-    """Prefill role. register() a request before adding it to the engine, then await
-    sent() after its first token: it resolves once every block has been delivered."""
+    """Prefill role. Given to the engine's constructor, which registers its KV cache (and so
+    fixes `layout`). register() a request before adding it to the engine, then await sent()
+    after its first token: it resolves once every block has been delivered."""
 
-    def __init__(
-        self,
-        kv_cache: torch.Tensor,
-        layout: LayoutSignature,
-        sender: KVSender,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.kv_cache = kv_cache
-        self.layout = layout
+    def __init__(self, model: str, sender: KVSender, loop: asyncio.AbstractEventLoop) -> None:
+        self.model = model
         self.sender = sender
         self.loop = loop
+        self.kv_cache: torch.Tensor | None = None
+        self._layout: LayoutSignature | None = None
         self._pushes: dict[str, _Push] = {}  # guarded by the GIL: engine thread + event loop
+
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.kv_cache = kv_cache
+        self._layout = kv_layout(self.model, kv_cache, block_size)
+
+    @property
+    def layout(self) -> LayoutSignature:
+        """The engine's KV layout, what every decode node's target must match."""
+        if self._layout is None:
+            raise RuntimeError("the connector was not given to an engine")
+        return self._layout
 
     def register(self, request_id: str, target: PushTarget, num_prompt_tokens: int) -> None:
         self._pushes[request_id] = _Push(target, num_prompt_tokens, target.skip_blocks)
@@ -123,9 +124,6 @@ class KVPushConnector:
 
     # -- engine thread ---------------------------------------------------------------------------
 
-    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
-        raise RuntimeError("a prefill node does not request remote prefills")
-
     def after_execute(self, output: SchedulerOutput) -> None:
         for chunk in output.chunks:
             push = self._pushes.get(chunk.request_id)
@@ -141,6 +139,7 @@ class KVPushConnector:
                 push.next_block = final
 
     def _send(self, push: _Push, block_ids: list[int]) -> None:
+        assert self.kv_cache is not None  # registered by the engine's constructor
         payload = gather_blocks(self.kv_cache, block_ids)
         header = TransferHeader(
             transfer_id=push.target.transfer_id,
@@ -154,22 +153,3 @@ class KVPushConnector:
         push.bytes += payload.nbytes
         coro = self.sender.send(push.target.address, header, payload)
         push.sends.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
-
-
-class KVPullConnector:
-    """Decode role: hands the scheduler's remote prefills to the node's event loop, where the
-    node runs the Prefill RPC and the receive (scattering with scatter_blocks), then reports
-    back through LLMEngine.finish_remote_prefill / fail_remote_prefill."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_remote_prefill: Callable[[RemotePrefill], None]
-    ) -> None:
-        self.loop = loop
-        self._on_remote_prefill = on_remote_prefill
-
-    def start_remote_prefills(self, remote_prefills: list[RemotePrefill]) -> None:
-        for rp in remote_prefills:
-            self.loop.call_soon_threadsafe(self._on_remote_prefill, rp)
-
-    def after_execute(self, output: SchedulerOutput) -> None:
-        pass

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvtransfer.transport import KVReceiver, KVTransferError, OnBlocks, TransferStats
-from kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
+from pdserve.kvtransfer.transport import KVReceiver, KVTransferError, OnBlocks, TransferStats
+from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
 
 logger = logging.getLogger(__name__)
 

@@ -10,9 +10,14 @@ import asyncio
 import itertools
 from typing import Any
 
-from kvtransfer.expected import BaseReceiver, Route
-from kvtransfer.transport import DEFAULT_SEND_TIMEOUT_S, KVSender, KVTransferError, payload_view
-from kvtransfer.wire import TransferHeader
+from pdserve.kvtransfer.expected import BaseReceiver, Route
+from pdserve.kvtransfer.transport import (
+    DEFAULT_SEND_TIMEOUT_S,
+    KVSender,
+    KVTransferError,
+    payload_view,
+)
+from pdserve.kvtransfer.wire import TransferHeader
 
 _SCHEME = "inproc://"
 _receivers: dict[str, InprocReceiver] = {}

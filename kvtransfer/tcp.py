@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.expected import BaseReceiver, Route, ScratchBuffer
-from kvtransfer.transport import (
+from pdserve.kvtransfer.expected import BaseReceiver, Route, ScratchBuffer
+from pdserve.kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,
     KVTransferError,
@@ -37,7 +37,12 @@ from kvtransfer.transport import (
     payload_view,
     split_address,
 )
-from kvtransfer.wire import HEADER_PREFIX_BYTES, TransferHeader, WireFormatError, header_size
+from pdserve.kvtransfer.wire import (
+    HEADER_PREFIX_BYTES,
+    TransferHeader,
+    WireFormatError,
+    header_size,
+)
 
 logger = logging.getLogger(__name__)
 

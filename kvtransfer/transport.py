@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.wire import LayoutSignature, TransferHeader
+from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader
 
 DEFAULT_SEND_TIMEOUT_S = 30.0
 
@@ -189,15 +189,15 @@ def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0) -> KVReceiv
     address). inproc ignores both.
     """
     if kind == "ucx":
-        from kvtransfer.ucx import UcxReceiver
+        from pdserve.kvtransfer.ucx import UcxReceiver
 
         return UcxReceiver(host, port)
     if kind == "tcp":
-        from kvtransfer.tcp import TcpReceiver
+        from pdserve.kvtransfer.tcp import TcpReceiver
 
         return TcpReceiver(host, port)
     if kind == "inproc":
-        from kvtransfer.inproc import InprocReceiver
+        from pdserve.kvtransfer.inproc import InprocReceiver
 
         return InprocReceiver()
     raise ValueError(f"unknown transport {kind!r}; choose ucx, tcp or inproc")
@@ -206,15 +206,15 @@ def make_receiver(kind: str, host: str = "127.0.0.1", port: int = 0) -> KVReceiv
 def make_sender(kind: str) -> KVSender:
     """A sender of the given kind ("ucx" | "tcp" | "inproc")."""
     if kind == "ucx":
-        from kvtransfer.ucx import UcxSender
+        from pdserve.kvtransfer.ucx import UcxSender
 
         return UcxSender()
     if kind == "tcp":
-        from kvtransfer.tcp import TcpSender
+        from pdserve.kvtransfer.tcp import TcpSender
 
         return TcpSender()
     if kind == "inproc":
-        from kvtransfer.inproc import InprocSender
+        from pdserve.kvtransfer.inproc import InprocSender
 
         return InprocSender()
     raise ValueError(f"unknown transport {kind!r}; choose ucx, tcp or inproc")

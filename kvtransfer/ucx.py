@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtransfer.expected import BaseReceiver, Route, ScratchBuffer
-from kvtransfer.transport import (
+from pdserve.kvtransfer.expected import BaseReceiver, Route, ScratchBuffer
+from pdserve.kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,
     KVTransferError,
@@ -48,7 +48,7 @@ from kvtransfer.transport import (
     payload_view,
     split_address,
 )
-from kvtransfer.wire import MAX_HEADER_BYTES, TransferHeader, WireFormatError, header_size
+from pdserve.kvtransfer.wire import MAX_HEADER_BYTES, TransferHeader, WireFormatError, header_size
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,20 @@
-"""pdserve: LLM serving with disaggregated prefill and decode tiers."""
+"""pdserve: LLM serving with disaggregated prefill and decode tiers.
 
-import os as _os
+Every module of the project imports under this one namespace (pdserve.engine, pdserve.gateway,
+...; pyproject.toml maps the layout's folders into it). The offline API, as vLLM's:
+
+    from pdserve import LLM, SamplingParams
+"""
+
+from pdserve.engine.request import RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
-# The generated protobuf/gRPC stubs live next to their .proto files (proto/pdserve/v1) and are
-# importable as pdserve.v1: the sub-package is found through this extra path entry.
-__path__.append(_os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "proto", "pdserve"))
+
+def __getattr__(name: str):  # LLM imports torch: keep `import pdserve` light
+    if name == "LLM":
+        from pdserve.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

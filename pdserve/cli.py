@@ -86,7 +86,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pdserve.engine import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(args))
     params = SamplingParams(
@@ -187,15 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_service_commands(sub: argparse._SubParsersAction) -> None:
     """The long-running roles; each module owns its flags (add_arguments) and its life (run)."""
-    import decode_node.main
-    import gateway.main
-    import prefill_node.main
     from pdserve import serve
+    from pdserve.decode_node import main as decode_main
+    from pdserve.gateway import main as gateway_main
+    from pdserve.prefill_node import main as prefill_main
 
     roles = [
-        ("prefill", prefill_node.main, "run a prefill node (computes prompts, pushes KV)"),
-        ("decode", decode_node.main, "run a decode node (admits requests, streams tokens)"),
-        ("gateway", gateway.main, "run the gateway alone (OpenAI REST + gRPC) against nodes"),
+        ("prefill", prefill_main, "run a prefill node (computes prompts, pushes KV)"),
+        ("decode", decode_main, "run a decode node (admits requests, streams tokens)"),
+        ("gateway", gateway_main, "run the gateway alone (OpenAI REST + gRPC) against nodes"),
         ("serve", serve, "run the whole stack on this machine: gateway + prefill + decode"),
     ]
     for name, module, text in roles:

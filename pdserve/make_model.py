@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from pdserve.engine.utils import cdiv
+
 logger = logging.getLogger(__name__)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
@@ -81,7 +83,7 @@ def make_config(arch: str, preset: str, tokenizer_size: int | None = None) -> di
     to a multiple of 64), defaulting to the preset's tokenizer vocabulary."""
     _check(arch, preset)
     p = PRESET_SIZES[preset]
-    vocab = -(-(tokenizer_size or p.tokenizer_vocab) // 64) * 64
+    vocab = cdiv(tokenizer_size or p.tokenizer_vocab, 64) * 64
     model_type, architecture = _HF_NAMES[arch]
     config: dict[str, Any] = {
         "architectures": [architecture],

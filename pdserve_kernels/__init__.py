@@ -6,16 +6,16 @@ CPU under ``TRITON_INTERPRET=1`` (set before triton is imported; tests only).
 
 from __future__ import annotations
 
-from pdserve_kernels.reference import (
+from pdserve.kernels.reference import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     reshape_and_cache_ref,
 )
 
 try:
-    from pdserve_kernels.kv_store import reshape_and_cache
-    from pdserve_kernels.paged_decode import paged_decode_attention
-    from pdserve_kernels.paged_prefill import paged_prefill_attention
+    from pdserve.kernels.kv_store import reshape_and_cache
+    from pdserve.kernels.paged_decode import paged_decode_attention
+    from pdserve.kernels.paged_prefill import paged_prefill_attention
 
     _TRITON_IMPORT_ERROR: Exception | None = None
 except ImportError as e:  # triton missing (e.g. macOS): references only

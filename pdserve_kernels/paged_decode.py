@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pdserve_kernels._paged_common import (
+from pdserve.kernels._paged_common import (
     LOG2E,
     cache_strides,
     check_cache,

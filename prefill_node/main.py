@@ -7,12 +7,8 @@ import argparse
 import asyncio
 import logging
 
-from engine.engine_loop import EngineLoop
-from engine.platform import freeze_startup_objects
-from kvtransfer.connector import KVPushConnector, kv_layout
-from kvtransfer.transport import make_sender
-from pdserve import tracing
-from pdserve.node import (
+from pdserve.common import tracing
+from pdserve.common.node import (
     NodeServer,
     add_node_args,
     build_engine,
@@ -22,11 +18,14 @@ from pdserve.node import (
     start_metrics_server,
     stop_event_on_signals,
 )
-from pdserve.node_metrics import NodeMetrics
-from pdserve.request_times import chain
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.platform import freeze_startup_objects
+from pdserve.kvtransfer.connector import KVPushConnector
+from pdserve.kvtransfer.transport import make_sender
+from pdserve.prefill_node.servicer import PrefillServicer
+from pdserve.prefill_node.telemetry import PrefillTelemetry
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.servicer import PrefillServicer, end_after_first_token
-from prefill_node.telemetry import PrefillTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +49,12 @@ async def serve(args: argparse.Namespace) -> None:
     model = served_model_name(args)
     this_node = node_id(args, "prefill")
     tracing.setup("prefill", this_node)
-    engine = build_engine(args)
+    sender = make_sender(args.kv_transport)
+    connector = KVPushConnector(model, sender, loop)
+    engine = build_engine(args, kv_connector=connector)
     metrics = NodeMetrics(engine, "prefill", model, this_node)
     telemetry = PrefillTelemetry(metrics, this_node)
-    # The watcher first: it must see requests before they end after their first token.
-    after_step = chain(telemetry.watcher.after_step, end_after_first_token)
-    engine_loop = EngineLoop(engine, loop, after_step=after_step)
-    sender = make_sender(args.kv_transport)
-    layout = kv_layout(model, engine.runner.kv_cache, engine.cache_config.block_size)
-    connector = KVPushConnector(engine.runner.kv_cache, layout, sender, loop)
-    engine.kv_connector = connector
+    engine_loop = EngineLoop(engine, loop)
     servicer = PrefillServicer(
         engine_loop, connector, this_node, model, args.prefill_timeout_s, telemetry
     )

@@ -6,28 +6,19 @@ import logging
 
 import grpc
 
-from decode_node.remote_prefill import layout_from_proto
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from engine.request import RequestStatus
-from engine.scheduler import RequestUpdate
-from kvtransfer.connector import KVPushConnector, PushTarget
-from kvtransfer.transport import KVTransferError
-from kvtransfer.wire import KVLayoutMismatch
-from pdserve.node import node_load
-from pdserve.protocol import logprob_to_proto, sampling_params_from_proto
+from pdserve.common.node import node_load
+from pdserve.common.protocol import layout_from_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import RequestUpdate
+from pdserve.engine.request import RequestStatus
+from pdserve.kvtransfer.connector import KVPushConnector, PushTarget
+from pdserve.kvtransfer.transport import KVTransferError
+from pdserve.kvtransfer.wire import KVLayoutMismatch
+from pdserve.prefill_node.telemetry import PrefillTelemetry
 from pdserve.v1 import node_pb2, node_pb2_grpc
-from prefill_node.telemetry import PrefillTelemetry
 
 logger = logging.getLogger(__name__)
-
-
-def end_after_first_token(engine: LLMEngine, updates: list[RequestUpdate]) -> None:
-    """The prefill role's after_step hook: a request leaves once its first token is sampled
-    (the KV connector has already snapshotted its blocks, so freeing them is safe)."""
-    for update in updates:
-        if not update.finished:
-            engine.finish_request(update.request_id, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 
 class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
@@ -78,17 +69,22 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
 
         def add(engine: LLMEngine) -> None:
             engine.add_request(
-                rid, prompt, params, cache_salt=request.cache_salt or None, seed=request.seed
+                rid,
+                prompt,
+                params,
+                cache_salt=request.cache_salt or None,
+                seed=request.seed,
+                prefill_only=True,
             )
-            self.telemetry.watcher.watch(rid, observed.times)
 
         error: BaseException | None = None
         try:
             await self.loop.call(add)
             update = await stream.get(self.timeout_s)
-            if update.status is RequestStatus.FINISHED_ABORTED or not update.new_token_ids:
+            assert isinstance(update, RequestUpdate)  # a prefill node reserves no remote KV
+            if update.status is not RequestStatus.FINISHED_PREFILLED:
                 await context.abort(grpc.StatusCode.ABORTED, f"prefill of {rid} was aborted")
-            observed.first_token(update.num_cached_tokens)
+            observed.first_token(update.num_cached_tokens, update.scheduled_s)
             try:
                 stats = await self.connector.sent(rid, self.timeout_s)
             except (KVTransferError, TimeoutError):

@@ -19,10 +19,10 @@ from collections.abc import Iterable
 
 from opentelemetry.trace import SpanKind
 
-from kvtransfer.transport import TransferStats
-from pdserve import tracing
-from pdserve.node_metrics import NodeMetrics
-from pdserve.request_times import RequestTimes, ScheduleWatcher
+from pdserve.common import tracing
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.request_times import RequestTimes
+from pdserve.kvtransfer.transport import TransferStats
 
 
 class PrefillRequestTelemetry:
@@ -52,8 +52,10 @@ class PrefillRequestTelemetry:
         """The W3C context the KV headers carry ({} when tracing is off)."""
         return tracing.inject(self.context)
 
-    def first_token(self, num_cached_tokens: int) -> None:
+    def first_token(self, num_cached_tokens: int, scheduled_s: float | None) -> None:
+        """The first token is sampled; the request was first scheduled at scheduled_s."""
         self.times.first_token_s = time.monotonic()
+        self.times.scheduled_s = scheduled_s
         self.num_cached_tokens = num_cached_tokens
         self._metrics.observe_phases(self.times)
         if self.span.is_recording():
@@ -96,13 +98,11 @@ class PrefillRequestTelemetry:
 
 
 class PrefillTelemetry:
-    """Telemetry of a prefill node's requests; watcher's after_step must run on the engine
-    loop before the hook that ends requests after their first token."""
+    """Telemetry of a prefill node's requests: metrics and spans."""
 
     def __init__(self, metrics: NodeMetrics, node_id: str) -> None:
         self.metrics = metrics
         self.node_id = node_id
-        self.watcher = ScheduleWatcher()
 
     def begin(
         self,

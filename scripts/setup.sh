@@ -18,4 +18,4 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
 fi
 # Compile the CPU attention kernels now (once per checkout, ~30 s) rather than at first start.
 [ -n "$(ls build/cpu_kernels/*.so 2>/dev/null)" ] \
-  || .venv/bin/python -c "import logging; logging.basicConfig(level=logging.INFO); from pdserve_kernels.cpu import cpu_ops; cpu_ops()"
+  || .venv/bin/python -c "import logging; logging.basicConfig(level=logging.INFO); from pdserve.kernels.cpu import cpu_ops; cpu_ops()"

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.kv_cache.hashing import BlockHash
+from pdserve.engine.kv_cache.hashing import BlockHash
 
 
 @dataclass(eq=False)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.kv_cache.block_pool import BlockPool, KVCacheBlock
-from engine.kv_cache.hashing import extend_block_hashes, extra_keys
-from engine.request import Request
+from pdserve.engine.kv_cache.block_pool import BlockPool, KVCacheBlock
+from pdserve.engine.kv_cache.hashing import extend_block_hashes, extra_keys
+from pdserve.engine.request import Request
+from pdserve.engine.utils import cdiv
 
 
 class PrefixMatch(NamedTuple):
@@ -17,10 +18,6 @@ class PrefixMatch(NamedTuple):
 
 
 NO_MATCH = PrefixMatch([], 0)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.utils import cdiv
 
 if TYPE_CHECKING:
-    from engine.models.loader import ModelArch
+    from pdserve.engine.models.loader import ModelArch
 
 # Checkpoint projection name -> (our fused projection, index of its rows block).
 _FUSED = {
@@ -72,7 +73,7 @@ def padded_rows(n: int) -> int:
     chunk sizes of a serving run kept paying it. Rounding up to 8 sizes per power of two bounds
     the shapes (~70 up to 2048 rows) and the extra rows to under 12.5%."""
     step = 1 << max(0, n.bit_length() - 4)
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 PADDED_DTYPES = {torch.bfloat16}

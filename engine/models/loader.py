@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.config import SUPPORTED_DTYPES
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import get_model_class
+from pdserve.engine.config import SUPPORTED_DTYPES
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import LlamaForCausalLM
 
 # Every supported architecture is a Llama-family config of the one class.
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from engine.kv_cache.manager import KVCacheManager
-from engine.model_runner import PagedModel
-from engine.models.loader import load_model, parse_model_arch
-from engine.request import Request
-from engine.sampler import (
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.model_runner import PagedModel
+from pdserve.engine.models.loader import load_model, parse_model_arch
+from pdserve.engine.outputs import ScheduledChunk
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import (
     DRAFT_STREAM,
     SampleRow,
     SamplingMetadata,
@@ -36,8 +37,7 @@ from engine.sampler import (
     compute_probs,
     random_sample,
 )
-from engine.scheduler import ScheduledChunk
-from engine.spec_decode.proposer import Proposal
+from pdserve.engine.spec_decode.proposer import Proposal
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from engine.request import Request
-from engine.spec_decode.proposer import Proposal
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.proposer import Proposal
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, min_n: int, max_n: int) -> list[int]:

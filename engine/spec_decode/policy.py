@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.config import SpeculativeConfig
-from engine.request import Request
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.request import Request
 
 
 class SpeculationPolicy:

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from torch import Tensor
 
-from engine.request import Request
+from pdserve.engine.request import Request
 
 
 @dataclass

@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from engine.request import TokenLogprobs
-from engine.sampler import (
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.request import TokenLogprobs
+from pdserve.engine.sampler import (
     ACCEPT_STREAM,
     SAMPLE_STREAM,
     SampleRow,
@@ -41,7 +42,6 @@ from engine.sampler import (
     random_sample,
     uniform_noise,
 )
-from engine.scheduler import SampledTokens
 
 
 @dataclass

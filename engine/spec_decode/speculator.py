@@ -18,13 +18,13 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from engine.config import SpeculativeConfig
-from engine.request import Request, RequestStatus
-from engine.scheduler import RequestUpdate, SampledTokens, SchedulerOutput
-from engine.spec_decode.metrics import SpecDecodeStats
-from engine.spec_decode.ngram import NgramProposer
-from engine.spec_decode.policy import SpeculationPolicy
-from engine.spec_decode.proposer import Proposal, Proposer
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.outputs import RequestUpdate, SampledTokens, SchedulerOutput
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.spec_decode.metrics import SpecDecodeStats
+from pdserve.engine.spec_decode.ngram import NgramProposer
+from pdserve.engine.spec_decode.policy import SpeculationPolicy
+from pdserve.engine.spec_decode.proposer import Proposal, Proposer
 
 
 @dataclass
@@ -57,7 +57,7 @@ def build_proposer(
     (default: as many as the target's num_blocks)."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from engine.spec_decode.draft_model import DraftModelProposer  # imports torch models
+    from pdserve.engine.spec_decode.draft_model import DraftModelProposer  # imports torch models
 
     assert config.model is not None  # validated by SpeculativeConfig
     return DraftModelProposer(

@@ -28,8 +28,19 @@ _SOURCES = [
     os.path.join(_HERE, name)
     for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling_ops.cpp")
 ]
-# Built next to the checkout (gitignored /build/), so two checkouts never rebuild each other's.
-_BUILD_DIR = os.path.join(os.path.dirname(os.path.dirname(_HERE)), "build", "cpu_kernels")
+
+
+def _build_dir() -> str:
+    """Where the compiled module is cached: PDSERVE_KERNEL_BUILD_DIR if set; in a source checkout
+    its gitignored build/ (so two checkouts never rebuild each other's); for an installed wheel
+    the user's cache directory (site-packages may not be writable)."""
+    if os.environ.get("PDSERVE_KERNEL_BUILD_DIR"):
+        return os.environ["PDSERVE_KERNEL_BUILD_DIR"]
+    checkout = os.path.dirname(os.path.dirname(_HERE))
+    if os.path.exists(os.path.join(checkout, "pyproject.toml")):
+        return os.path.join(checkout, "build", "cpu_kernels")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "pdserve", "cpu_kernels")
 
 
 def _march() -> str:
@@ -48,9 +59,10 @@ def cpu_ops() -> ModuleType | None:
         from torch.utils.cpp_extension import load
 
         start = time.monotonic()
-        os.makedirs(_BUILD_DIR, exist_ok=True)
+        build_dir = _build_dir()
+        os.makedirs(build_dir, exist_ok=True)
         module = load(
-            build_directory=_BUILD_DIR,
+            build_directory=build_dir,
             name="pdserve_cpu_attention",
             sources=_SOURCES,
             extra_cflags=[
@@ -66,7 +78,7 @@ def cpu_ops() -> ModuleType | None:
         elapsed = time.monotonic() - start
         if elapsed > 2:  # a compile, not a cache hit
             logger.info(
-                "compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, _BUILD_DIR
+                "compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, build_dir
             )
         return module
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.discovery import Resolver
-from gateway.main import Listening, serve
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.discovery import Resolver
+from pdserve.gateway.main import Listening, serve
 from tests.deploy.described import wait_until
 from tests.gateway.harness import BackgroundLoop
 from tests.integration.procs import Proc, free_port, wait_grpc_serving
@@ -161,7 +161,7 @@ def removed_streams(caplog: pytest.LogCaptureFixture, address: str) -> int:
 def test_decode_nodes_follow_dns_while_requests_run(
     tiny_llama: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="gateway.registry")
+    caplog.set_level(logging.INFO, logger="pdserve.gateway.registry")
     port = free_port()
     if not bindable("127.0.0.2", port):
         pytest.skip("127.0.0.2 is not usable here")

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

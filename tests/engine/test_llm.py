@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 PROMPT_LENS = [1, 7, 33, 64, 100, 150, 260, 300]

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import (
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.sampler import (
     Sampler,
     SampleRow,
     SamplingMetadata,

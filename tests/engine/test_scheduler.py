@@ -1,9 +1,10 @@
 """Scheduler unit tests: exact budgets, block ids, preemption and resume (no model)."""
 
-from engine.config import SchedulerConfig
-from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import SampledTokens, Scheduler
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.request import Request, RequestStatus, SamplingParams
+from pdserve.engine.scheduler import Scheduler
 
 
 def make(num_blocks=20, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True):

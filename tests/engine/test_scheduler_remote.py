@@ -4,9 +4,9 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.request import RequestStatus
-from engine.scheduler import SampledTokens
+from pdserve.engine.config import SchedulerConfig
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.request import RequestStatus
 from tests.engine.test_scheduler import make, req, run, sizes
 
 

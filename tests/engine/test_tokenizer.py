@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 TEXTS = [

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.gateway.harness import SCRIPT_TEXT, BackgroundLoop, Cluster, start_cluster
 
 

@@ -11,8 +11,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gateway.config import GatewayConfig
-from gateway.main import Listening, serve
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.main import Listening, serve
 from tests.gateway.fake_nodes import (
     DecodeBehaviour,
     FakeDecodeNode,

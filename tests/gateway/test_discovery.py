@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.discovery import NodeDiscovery, NodeEntry, format_address, resolve_ips
-from gateway.registry import NodeRegistry
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.discovery import NodeDiscovery, NodeEntry, format_address, resolve_ips
+from pdserve.gateway.registry import NodeRegistry
 from tests.gateway.fake_nodes import DecodeBehaviour, FakeDecodeNode, start_decode_node
 from tests.gateway.harness import BackgroundLoop
 

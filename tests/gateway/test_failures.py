@@ -15,7 +15,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.gateway.conftest import StartCluster
 from tests.gateway.fake_nodes import CallRecord, expected_tokens
 from tests.gateway.harness import MODEL_NAME, Cluster

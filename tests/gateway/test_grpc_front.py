@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.gateway.fake_nodes import expected_tokens
 from tests.gateway.harness import MODEL_NAME, Cluster

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import GatewayConfig
-from gateway.main import add_arguments, config_from_args
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.main import add_arguments, config_from_args
 from tests.gateway.conftest import StartCluster
 from tests.gateway.fake_nodes import DecodeBehaviour, FakeDecodeNode, start_decode_node
 from tests.gateway.harness import BackgroundLoop, Cluster
@@ -133,7 +133,7 @@ def decode_port(bg_loop: BackgroundLoop, script: list[int]) -> Iterator[int]:
 def test_process_serves_then_drains_on_sigterm(tiny_llama: str, decode_port: int) -> None:
     port = free_port()
     argv = [
-        sys.executable, "-m", "gateway.main",
+        sys.executable, "-m", "pdserve.gateway.main",
         "--model", tiny_llama,
         "--served-model-name", "tiny",
         "--decode-nodes", f"127.0.0.1:{decode_port}",

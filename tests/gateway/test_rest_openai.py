@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer
 from tests.gateway.conftest import StartCluster
 from tests.gateway.fake_nodes import EOS_TOKEN_ID, expected_tokens, fake_logprobs
 from tests.gateway.harness import MODEL_NAME, Cluster

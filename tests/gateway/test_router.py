@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.registry import NodeRegistry, NodeState
-from gateway.router import PrefixIndex, Router, block_hashes, decode_score
+from pdserve.gateway.registry import NodeRegistry, NodeState
+from pdserve.gateway.router import PrefixIndex, Router, block_hashes, decode_score
 from pdserve.v1 import node_pb2
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from gateway.sequence import SequenceOutput
-from gateway.stop_strings import StopStringMatcher
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.gateway.sequence import SequenceOutput
+from pdserve.gateway.stop_strings import StopStringMatcher
 from pdserve.v1 import common_pb2, node_pb2
 
 
@@ -83,8 +83,8 @@ def test_sequence_stop_string_and_stop_token(tokenizer: Tokenizer) -> None:
 def test_sequence_matches_the_offline_engine(tokenizer: Tokenizer) -> None:
     """Random token streams, random chunking: the gateway's text and stop decision equal
     engine.llm's for the same tokens."""
-    from engine.llm import _Tracked  # imports torch: only here
-    from engine.request import Request, SamplingParams
+    from pdserve.engine.llm import _Tracked  # imports torch: only here
+    from pdserve.engine.request import Request, SamplingParams
 
     rng = random.Random(0)
     words = tokenizer.encode(" ab abc é 你好 ba bab\n", add_special_tokens=False)

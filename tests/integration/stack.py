@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from kvtransfer.transport import available_transports
+from pdserve.kvtransfer.transport import available_transports
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.integration.procs import Proc, free_port
 

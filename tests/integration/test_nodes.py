@@ -8,9 +8,9 @@ import random
 import grpc
 import pytest
 
-from engine import LLM, SamplingParams
-from kvtransfer.transport import available_transports
-from pdserve.protocol import sampling_params_to_proto
+from pdserve.common.protocol import sampling_params_to_proto
+from pdserve.engine import LLM, SamplingParams
+from pdserve.kvtransfer.transport import available_transports
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.integration.procs import Proc, free_port, wait_grpc_serving
 

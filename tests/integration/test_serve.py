@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
-from pdserve.protocol import sampling_params_to_proto
+from pdserve.common.protocol import sampling_params_to_proto
+from pdserve.engine import LLM, SamplingParams
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.stack import BLOCK, start_stack
 

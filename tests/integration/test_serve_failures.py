@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.integration.stack import BLOCK, start_stack
 from tests.integration.test_serve import grpc_generate, mixed_workload
 

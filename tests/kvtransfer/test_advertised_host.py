@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from kvtransfer.transport import advertised_host, make_receiver, split_address
+from pdserve.kvtransfer.transport import advertised_host, make_receiver, split_address
 
 
 def test_a_host_is_advertised_as_given_and_a_wildcard_as_this_machine() -> None:

@@ -6,10 +6,10 @@ import asyncio
 
 import torch
 
-from engine.scheduler import ScheduledChunk, SchedulerOutput
-from kvtransfer.connector import KVPushConnector, PushTarget, gather_blocks, scatter_blocks
-from kvtransfer.inproc import InprocReceiver, InprocSender
-from kvtransfer.wire import LayoutSignature
+from pdserve.engine.outputs import ScheduledChunk, SchedulerOutput
+from pdserve.kvtransfer.connector import KVPushConnector, PushTarget, gather_blocks, scatter_blocks
+from pdserve.kvtransfer.inproc import InprocReceiver, InprocSender
+from pdserve.kvtransfer.wire import LayoutSignature
 
 BS = 4
 LAYOUT = LayoutSignature("m", "float32", num_layers=2, num_kv_heads=2, head_dim=3, block_size=BS)
@@ -40,7 +40,9 @@ def test_blocks_are_pushed_as_they_become_final_and_land_intact():
         receiver, sender = InprocReceiver(), InprocSender()
         await receiver.start()
         loop = asyncio.get_running_loop()
-        connector = KVPushConnector(src, LAYOUT, sender, loop)
+        connector = KVPushConnector("m", sender, loop)
+        connector.register_kv_cache(src, BS)  # as the engine's constructor does
+        assert connector.layout == LAYOUT
         prefill_blocks = [3, 8, 6, 1]  # the prefill node's physical blocks for a 14-token prompt
         decode_blocks = [9, 2, 5, 4]  # the decode node's, skipping the first (cached there)
         arrived = []

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 import pytest
 
-from kvtransfer.transport import (
+from pdserve.kvtransfer.transport import (
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -23,7 +23,7 @@ from kvtransfer.transport import (
     make_receiver,
     make_sender,
 )
-from kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
+from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,7 +48,7 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
 
 async def _shutdown_ucx() -> None:
     if "ucx" in KINDS:
-        from kvtransfer.ucx import shutdown_ucx
+        from pdserve.kvtransfer.ucx import shutdown_ucx
 
         shutdown_ucx()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.transport import available_transports
+from pdserve.kvtransfer.transport import available_transports
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -22,8 +22,8 @@ SCRIPT = textwrap.dedent(
     """
     import asyncio
     import numpy as np
-    from kvtransfer.transport import make_receiver, make_sender
-    from kvtransfer.wire import LayoutSignature, TransferHeader
+    from pdserve.kvtransfer.transport import make_receiver, make_sender
+    from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader
 
     async def main():
         layout = LayoutSignature("m", "float32", 1, 1, 4, 4)

@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from kvtransfer.wire import (
+from pdserve.kvtransfer.wire import (
     HEADER_PREFIX_BYTES,
     MAGIC,
     MAX_HEADER_BYTES,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import grpc
 import openai
 
-from engine import SamplingParams
-from pdserve.protocol import sampling_params_to_proto
+from pdserve.common.protocol import sampling_params_to_proto
+from pdserve.engine import SamplingParams
 from pdserve.v1 import node_pb2, node_pb2_grpc
 from tests.integration.procs import Proc, free_port, wait_grpc_serving
 from tests.observability.otlp_receiver import ReceivedSpan

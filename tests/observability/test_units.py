@@ -1,6 +1,6 @@
 """The observability pieces alone, on fakes and fixed clocks: bucket edges, the status page's
-windows, the gateway's per-completion timer, the engine collector, the schedule watcher, and
-tracing switched off."""
+windows, the gateway's per-completion timer, the engine collector, and tracing switched
+off."""
 
 from __future__ import annotations
 
@@ -8,15 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.request import RequestStatus
-from engine.scheduler import RequestUpdate
-from gateway import metrics as gateway_metrics
-from gateway.live_stats import LatencyWindow, RateWindow
-from gateway.metrics import GatewayMetrics
-from pdserve import request_times, tracing
-from pdserve.metrics import new_registry, token_count_buckets
-from pdserve.node_metrics import EngineCollector
-from pdserve.request_times import RequestTimes, ScheduleWatcher
+from pdserve.common import tracing
+from pdserve.common.metrics import new_registry, token_count_buckets
+from pdserve.common.node_metrics import EngineCollector
+from pdserve.engine.outputs import EngineLoad
+from pdserve.gateway import metrics as gateway_metrics
+from pdserve.gateway.live_stats import LatencyWindow, RateWindow
+from pdserve.gateway.metrics import GatewayMetrics
 
 
 class Clock:
@@ -81,18 +79,25 @@ def test_sequence_timer_measures_what_the_client_sees(monkeypatch):
 
 
 def fake_engine(spec_stats=None):
-    scheduler = SimpleNamespace(
+    """An engine whose load() reads the mutable `state` when called (as a scrape does)."""
+    state = SimpleNamespace(
         num_running=2,
         num_waiting=1,
         num_awaiting_kv=1,
-        num_preemptions=4,
-        requests={},
         remote_prefill_backlog=512,
         local_prefill_backlog=96,
+        num_free_blocks=30,
+        num_total_blocks=40,
+        kv_cache_usage=0.25,
+        num_preemptions=4,
+        prefix_cache_queries=100,
+        prefix_cache_hits=40,
+        num_prompt_tokens=300,
+        num_generation_tokens=50,
     )
-    kv = SimpleNamespace(usage=0.25, prefix_queries=100, prefix_hits=40)
-    stats = SimpleNamespace(num_prompt_tokens=300, num_generation_tokens=50, step_time_s=0.0)
-    return SimpleNamespace(scheduler=scheduler, kv=kv, stats=stats, spec_stats=spec_stats)
+    engine = SimpleNamespace(state=state, spec_stats=spec_stats)
+    engine.load = lambda: EngineLoad(**vars(state))
+    return engine
 
 
 @pytest.mark.parametrize("speculative", [False, True])
@@ -102,7 +107,7 @@ def test_engine_collector_reads_the_engine_at_scrape_time(speculative):
     registry = new_registry()
     labels = {"role": "decode", "model_name": "m", "node_id": "d0"}
     registry.register(EngineCollector(engine, labels))
-    engine.scheduler.num_running = 5  # read when scraped, not when registered
+    engine.state.num_running = 5  # read when scraped, not when registered
     expected = {
         "num_requests_running": 5,
         "num_requests_waiting": 1,
@@ -120,29 +125,6 @@ def test_engine_collector_reads_the_engine_at_scrape_time(speculative):
         assert registry.get_sample_value(f"pdserve:{name}", labels) == value, name
     accepted = registry.get_sample_value("pdserve:spec_decode_num_accepted_tokens_total", labels)
     assert accepted == (5 if speculative else None)
-
-
-def test_schedule_watcher_dates_a_request_to_the_start_of_its_first_step(monkeypatch):
-    clock = Clock(10.0)
-    monkeypatch.setattr(request_times.time, "monotonic", clock)
-    engine = fake_engine()
-    waiting = SimpleNamespace(status=RequestStatus.WAITING)
-    engine.scheduler.requests = {"a": waiting, "b": SimpleNamespace(status=RequestStatus.WAITING)}
-    watcher = ScheduleWatcher()
-    a, b, c = RequestTimes(9.0), RequestTimes(9.0), RequestTimes(9.0)
-    for rid, times in (("a", a), ("b", b), ("c", c)):
-        watcher.watch(rid, times)
-    engine.stats.step_time_s = 0.5  # a 0.5 s step that left everyone waiting
-    watcher.after_step(engine, [])
-    assert a.scheduled_s is b.scheduled_s is c.scheduled_s is None  # c: gone, never scheduled
-    waiting.status = RequestStatus.RUNNING  # "a" was scheduled by the next step (0.25 s)...
-    del engine.scheduler.requests["b"]  # ...in which "b" ran and finished at once
-    engine.stats.step_time_s = 0.75
-    clock.now = 11.0
-    finished = RequestUpdate("b", [7], [None], True, RequestStatus.FINISHED_LENGTH_CAPPED)
-    watcher.after_step(engine, [finished])
-    assert a.scheduled_s == b.scheduled_s == 10.75
-    assert a.queue_s == 1.75 and a.prefill_s is None
 
 
 def test_tracing_off_costs_nothing(monkeypatch):

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import attention
-from engine.attention import AttentionMetadata, paged_attention
-from engine.models.llama import apply_rope
-from pdserve_kernels.cpu import cpu_ops
+from pdserve.engine import attention
+from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.models.llama import apply_rope
+from pdserve.kernels.cpu import cpu_ops
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +280,7 @@ def test_argmax_rows_is_torch_argmax(ops, n):
     x[7] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
     want = x.argmax(dim=-1)
     assert torch.equal(ops.argmax_rows(x), want)
-    from engine import sampler
+    from pdserve.engine import sampler
 
     saved = sampler._argmax_kernel
     try:

@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from pdserve_kernels.reference import (  # noqa: E402
+from pdserve.kernels.reference import (  # noqa: E402
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     reshape_and_cache_ref,
@@ -266,7 +266,7 @@ def _tol(spec: dict) -> tuple[float, float]:
 
 
 def _check_decode(spec: dict) -> dict:
-    from pdserve_kernels import paged_decode_attention
+    from pdserve.kernels import paged_decode_attention
 
     c = decode_case(**{k: v for k, v in spec.items() if k in _BUILD_KEYS})
     ref = paged_decode_attention_ref(c["q"], c["cache"], c["tables"], c["seq_lens"], c["scale"])
@@ -275,7 +275,7 @@ def _check_decode(spec: dict) -> dict:
 
 
 def _check_prefill(spec: dict) -> dict:
-    from pdserve_kernels import paged_prefill_attention
+    from pdserve.kernels import paged_prefill_attention
 
     c = prefill_case(**{k: v for k, v in spec.items() if k in _BUILD_KEYS})
     args = (c["q"], c["cache"], c["tables"], c["qsl"], c["seq_lens"], c["scale"])
@@ -303,7 +303,7 @@ def _store_inputs(spec: dict):
 
 
 def _check_store(spec: dict) -> dict:
-    from pdserve_kernels import reshape_and_cache
+    from pdserve.kernels import reshape_and_cache
 
     k, v, cache, slots = _store_inputs(spec)
     ref = cache.clone()
@@ -336,7 +336,7 @@ def engine_case(
 ):
     """A mixed batch (reqs: (context_len, query_len), the first nd of them decodes) for
     engine.attention.paged_attention."""
-    from engine.attention import AttentionMetadata, PrefillSeq
+    from pdserve.engine.attention import AttentionMetadata, PrefillSeq
 
     c = build_paged(seed, [n for n, _ in reqs], bs, hkv, d, garbage=garbage)
     g = c["gen"]
@@ -386,8 +386,8 @@ def engine_case(
 
 
 def _check_engine(spec: dict) -> dict:
-    from engine.attention import paged_attention
-    from engine.attention_triton import triton_paged_attention
+    from pdserve.engine.attention import paged_attention
+    from pdserve.engine.attention_triton import triton_paged_attention
 
     c = engine_case(spec["seed"], spec["bs"], spec["hq"], spec["hkv"], spec["d"])
     cache_ref, cache_out = c["cache"].clone(), c["cache"].clone()
@@ -455,7 +455,7 @@ def test_kernel_matches_reference(interpreter_results: dict, name: str) -> None:
 
 
 def test_triton_available_is_false_without_cuda() -> None:
-    from pdserve_kernels import triton_available
+    from pdserve.kernels import triton_available
 
     assert triton_available() == torch.cuda.is_available()
 
@@ -517,7 +517,7 @@ def test_reshape_and_cache_ref_writes_each_slot() -> None:
 
 def _assert_engine_case_matches_dense(c: dict, reqs: list[tuple[int, int]]) -> None:
     """engine.attention.paged_attention on an engine_case equals dense causal attention."""
-    from engine.attention import paged_attention
+    from pdserve.engine.attention import paged_attention
 
     out = paged_attention(c["q"], c["k"], c["v"], c["cache"].clone(), c["meta"], c["scale"])
     dense = c["dense"]

@@ -1,6 +1,6 @@
 import pytest
 
-from engine.kv_cache.block_pool import BlockPool
+from pdserve.engine.kv_cache.block_pool import BlockPool
 
 
 def ids(blocks):

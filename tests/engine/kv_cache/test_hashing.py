@@ -1,4 +1,4 @@
-from engine.kv_cache.hashing import extend_block_hashes, extra_keys, hash_block
+from pdserve.engine.kv_cache.hashing import extend_block_hashes, extra_keys, hash_block
 
 
 def test_chained_hash_depends_on_parent_tokens_and_extra():

@@ -1,5 +1,5 @@
-from engine.kv_cache.manager import KVCacheManager
-from engine.request import Request, SamplingParams
+from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.request import Request, SamplingParams
 
 
 def req(rid, tokens, salt=None):

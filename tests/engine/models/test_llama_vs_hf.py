@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import attention
-from engine.attention import AttentionMetadata, PrefillSeq
-from engine.models import llama
-from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import load_model, parse_model_arch
-from engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
-from pdserve_kernels.cpu import cpu_ops
+from pdserve.engine import attention
+from pdserve.engine.attention import AttentionMetadata, PrefillSeq
+from pdserve.engine.models import llama
+from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.loader import load_model, parse_model_arch
+from pdserve.engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from pdserve.kernels.cpu import cpu_ops
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BLOCK_SIZE = 16

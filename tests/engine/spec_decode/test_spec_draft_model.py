@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.spec_decode.draft_model import DraftModelProposer
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.request import Request
+from pdserve.engine.spec_decode.draft_model import DraftModelProposer
 
 PROMPT = list(range(300, 320))
 

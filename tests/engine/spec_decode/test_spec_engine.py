@@ -5,15 +5,15 @@ prompt, since only the target's KV comes over the wire)."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import CacheConfig, ModelConfig, SpeculativeConfig
-from engine.llm_engine import LLMEngine
-from engine.scheduler import SampledTokens
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.request import RequestStatus
 
 ALWAYS = {"max_batch_for_speculation": 64, "min_expected_accepted": 0.0}
 PROMPTS = [[11, 12, 13, 11, 12, 13, 11, 12], list(range(400, 460)), [5, 6] * 20]
@@ -89,28 +89,15 @@ class SnapshotConnector:
     """Prefill side: copies the prompt's KV blocks after the step that computes them."""
 
     def __init__(self) -> None:
-        self.engine: LLMEngine | None = None
+        self.kv_cache: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
 
-    def start_remote_prefills(self, remote_prefills) -> None:
-        raise AssertionError("the prefill side reserves nothing")
+    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.kv_cache = kv_cache
 
     def after_execute(self, output) -> None:
         (chunk,) = output.chunks
-        self.kv = self.engine.runner.kv_cache[:, chunk.block_ids].clone()
-
-
-class ReservingConnector:
-    """Decode side: records the blocks reserved for remote prefills."""
-
-    def __init__(self) -> None:
-        self.reserved = []
-
-    def start_remote_prefills(self, remote_prefills) -> None:
-        self.reserved.extend(remote_prefills)
-
-    def after_execute(self, output) -> None:
-        pass
+        self.kv = self.kv_cache[:, chunk.block_ids].clone()
 
 
 def test_decode_role_draft_model_computes_the_prompt_locally(tiny_llama):
@@ -126,19 +113,17 @@ def test_decode_role_draft_model_computes_the_prompt_locally(tiny_llama):
     # the "prefill node": computes the prompt and samples the first token
     snapshot = SnapshotConnector()
     prefill = LLMEngine(model, CacheConfig(num_blocks=64), kv_connector=snapshot)
-    snapshot.engine = prefill
-    prefill.add_request("r", prompt, replace(params, max_tokens=1))
-    (first,) = prefill.step()
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    (first,) = prefill.step().updates
+    assert first.status is RequestStatus.FINISHED_PREFILLED and len(first.new_token_ids) == 1
     # the "decode node": reserves blocks, receives the KV, joins, speculates with a draft
-    reserving = ReservingConnector()
     config = SpeculativeConfig(method="draft_model", model=tiny_llama, **ALWAYS)
-    decode = LLMEngine(
-        model, CacheConfig(num_blocks=64), kv_connector=reserving, speculative_config=config
-    )
+    decode = LLMEngine(model, CacheConfig(num_blocks=64), speculative_config=config)
     request = decode.add_request("r", prompt, params, wants_remote_prefill=True)
-    assert decode.step() == []
-    (reserved,) = reserving.reserved
-    decode.runner.kv_cache[:, reserved.block_ids] = snapshot.kv
+    step = decode.step()
+    assert step.updates == []
+    (reserved,) = step.remote_prefills
+    decode.kv_cache[:, reserved.block_ids] = snapshot.kv
     decode.finish_remote_prefill("r", SampledTokens(first.new_token_ids), 0)
     while decode.has_unfinished_requests():
         decode.step()

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 
 ALWAYS = {"max_batch_for_speculation": 64, "min_expected_accepted": 0.0}
 """Policy off: speculate in every step, whatever the acceptance."""

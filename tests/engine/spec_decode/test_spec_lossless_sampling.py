@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pdserve.engine import LLM, SamplingParams
 from tests.engine.spec_decode.stats import homogeneity
 
 N = 1000

@@ -1,7 +1,7 @@
 """N-gram (prompt lookup) proposals: exact outputs."""
 
-from engine.request import Request, SamplingParams
-from engine.spec_decode.ngram import NgramProposer, propose_ngram
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.spec_decode.ngram import NgramProposer, propose_ngram
 
 
 def test_longest_match_wins_and_most_recent_occurrence_is_copied():

@@ -1,8 +1,8 @@
 """When not to speculate: exact decisions of the policy."""
 
-from engine.config import SpeculativeConfig
-from engine.request import Request, SamplingParams
-from engine.spec_decode.policy import SpeculationPolicy
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.request import Request, SamplingParams
+from pdserve.engine.spec_decode.policy import SpeculationPolicy
 
 
 def decoding(rid, prompt_len=10, num_output=1, max_tokens=100):

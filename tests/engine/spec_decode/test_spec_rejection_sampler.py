@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from engine.request import SamplingParams
-from engine.sampler import (
+from pdserve.engine.request import SamplingParams
+from pdserve.engine.sampler import (
     DRAFT_STREAM,
     Sampler,
     SampleRow,
@@ -17,7 +17,11 @@ from engine.sampler import (
     compute_probs,
     random_sample,
 )
-from engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler, expand_rows
+from pdserve.engine.spec_decode.rejection_sampler import (
+    DraftsToVerify,
+    RejectionSampler,
+    expand_rows,
+)
 from tests.engine.spec_decode.stats import goodness_of_fit
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -1,8 +1,8 @@
 """Speculative verification inside the unified scheduler (no model): exact block accounting
 after rejection, stops landing mid-run, drafts never causing a preemption."""
 
-from engine.request import RequestStatus
-from engine.scheduler import SampledTokens
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.request import RequestStatus
 from tests.engine.test_scheduler import make, req, run
 
 

@@ -1,10 +1,10 @@
 """The speculator's bookkeeping around real scheduler steps (scripted proposer, no model):
 metrics counted exactly, proposer rolled back and freed at the right moments."""
 
-from engine.config import SpeculativeConfig
-from engine.scheduler import SampledTokens
-from engine.spec_decode.proposer import Proposal
-from engine.spec_decode.speculator import Speculator
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.spec_decode.proposer import Proposal
+from pdserve.engine.spec_decode.speculator import Speculator
 from tests.engine.test_scheduler import make, req
 
 

@@ -14,15 +14,15 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.llm_engine import LLMEngine
-from kvtransfer.transport import TransferStats
-from pdserve.metrics import (
+from pdserve.common.metrics import (
     KV_TRANSFER_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,
     name,
     new_registry,
 )
-from pdserve.request_times import RequestTimes
+from pdserve.common.request_times import RequestTimes
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.kvtransfer.transport import TransferStats
 
 LABELS = ("role", "model_name", "node_id")
 _SPEC_COUNTERS = (
@@ -41,51 +41,51 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
-        scheduler = engine.scheduler
+        load = engine.load()
         yield self._gauge(
-            "num_requests_running", "Requests in the running batch.", scheduler.num_running
+            "num_requests_running", "Requests in the running batch.", load.num_running
         )
         yield self._gauge(
-            "num_requests_waiting", "Requests queued for admission.", scheduler.num_waiting
+            "num_requests_waiting", "Requests queued for admission.", load.num_waiting
         )
         yield self._gauge(
             "num_requests_waiting_for_remote_kv",
             "Decode role: admitted requests waiting for their KV from a prefill node.",
-            scheduler.num_awaiting_kv,
+            load.num_awaiting_kv,
         )
         yield self._gauge(
             "remote_prefill_backlog_tokens",
             "Decode role: uncached prompt tokens of requests waiting for KV from prefill nodes.",
-            scheduler.remote_prefill_backlog,
+            load.remote_prefill_backlog,
         )
         yield self._gauge(
             "local_prefill_backlog_tokens",
             "Prompt tokens of running requests still to be computed on this node.",
-            scheduler.local_prefill_backlog,
+            load.local_prefill_backlog,
         )
         yield self._gauge(
             "kv_cache_usage_perc",
             "Fraction of KV blocks held by requests (0 to 1).",
-            engine.kv.usage,
+            load.kv_cache_usage,
         )
         yield self._counter(
             "prompt_tokens",
             "Prompt tokens computed by this engine (prefix-cache hits and KV received excluded).",
-            engine.stats.num_prompt_tokens,
+            load.num_prompt_tokens,
         )
         yield self._counter(
             "generation_tokens",
             "Tokens sampled by this engine (decode: remote first tokens included).",
-            engine.stats.num_generation_tokens,
+            load.num_generation_tokens,
         )
-        yield self._counter("num_preemptions", "Requests preempted.", scheduler.num_preemptions)
+        yield self._counter("num_preemptions", "Requests preempted.", load.num_preemptions)
         yield self._counter(
             "prefix_cache_queries",
             "Tokens looked up in the prefix cache.",
-            engine.kv.prefix_queries,
+            load.prefix_cache_queries,
         )
         yield self._counter(
-            "prefix_cache_hits", "Tokens found in the prefix cache.", engine.kv.prefix_hits
+            "prefix_cache_hits", "Tokens found in the prefix cache.", load.prefix_cache_hits
         )
         # Present only once the engine has speculative decoding (and only when it is on).
         spec = getattr(engine, "spec_stats", None)

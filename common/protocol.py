@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from engine.request import RequestStatus, SamplingParams, TokenLogprobs
-from pdserve.v1 import common_pb2
+from pdserve.engine.request import RequestStatus, SamplingParams, TokenLogprobs
+from pdserve.kvtransfer.wire import LayoutSignature
+from pdserve.v1 import common_pb2, node_pb2
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: common_pb2.FINISH_REASON_STOP,
@@ -64,3 +65,25 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprobs:
 
 def finish_reason_to_proto(status: RequestStatus) -> int:
     return _FINISH_REASONS.get(status, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def layout_to_proto(layout: LayoutSignature) -> node_pb2.KVLayout:
+    return node_pb2.KVLayout(
+        model=layout.model,
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        block_size=layout.block_size,
+    )
+
+
+def layout_from_proto(msg: node_pb2.KVLayout) -> LayoutSignature:
+    return LayoutSignature(
+        model=msg.model,
+        dtype=msg.dtype,
+        num_layers=msg.num_layers,
+        num_kv_heads=msg.num_kv_heads,
+        head_dim=msg.head_dim,
+        block_size=msg.block_size,
+    )

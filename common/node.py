@@ -18,10 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from engine.engine_loop import EngineLoop
-from engine.llm_engine import LLMEngine
-from pdserve.metrics import MetricsServer
+from pdserve.common.metrics import MetricsServer
+from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
 from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,7 @@ def build_engine(
     remote_prefill_min_tokens: int = 1,
     max_remote_prefill_queue_tokens: int = 0,
     speculative_config: SpeculativeConfig | None = None,
+    kv_connector: EngineKVConnector | None = None,
 ) -> LLMEngine:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -96,6 +97,7 @@ def build_engine(
             max_remote_prefill_queue_tokens=max_remote_prefill_queue_tokens,
         ),
         speculative_config=speculative_config,
+        kv_connector=kv_connector,
     )
 
 
@@ -116,24 +118,23 @@ def node_load(
     kv_address: str = "",
     metrics_address: str = "",
 ) -> node_pb2.NodeLoad:
-    """A snapshot of the engine's load. Read from the event loop while the engine thread runs:
-    plain int reads, so at worst one step stale."""
+    """The node's load report (the engine's load snapshot, safe from the event loop)."""
     engine = loop.engine
-    scheduler = engine.scheduler
+    load = engine.load()
     return node_pb2.NodeLoad(
         node_id=node,
         role=role,
         model=model,
-        num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting + scheduler.num_awaiting_kv,
-        num_free_blocks=engine.kv.num_free_blocks,
-        num_total_blocks=engine.num_blocks - 1,  # block 0 is the null block
+        num_running=load.num_running,
+        num_waiting=load.num_waiting + load.num_awaiting_kv,
+        num_free_blocks=load.num_free_blocks,
+        num_total_blocks=load.num_total_blocks,
         block_size=engine.cache_config.block_size,
         max_model_len=engine.max_model_len,
         accepting=accepting,
         generation_tokens_per_s=loop.generation_tokens_per_s(),
         kv_address=kv_address,
-        num_preemptions=scheduler.num_preemptions,
+        num_preemptions=load.num_preemptions,
         metrics_address=metrics_address,
     )
 
