@@ -19,10 +19,10 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from pdserve.common.metrics import MetricsServer
+from pdserve.common.node_service import ErrorInterceptor
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
-from pdserve.v1 import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -109,36 +109,6 @@ def node_id(args: argparse.Namespace, role: str) -> str:
     return args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def node_load(
-    loop: EngineLoop,
-    node: str,
-    role: str,
-    model: str,
-    accepting: bool,
-    kv_address: str = "",
-    metrics_address: str = "",
-) -> node_pb2.NodeLoad:
-    """The node's load report (the engine's load snapshot, safe from the event loop)."""
-    engine = loop.engine
-    load = engine.load()
-    return node_pb2.NodeLoad(
-        node_id=node,
-        role=role,
-        model=model,
-        num_running=load.num_running,
-        num_waiting=load.num_waiting + load.num_awaiting_kv,
-        num_free_blocks=load.num_free_blocks,
-        num_total_blocks=load.num_total_blocks,
-        block_size=engine.cache_config.block_size,
-        max_model_len=engine.max_model_len,
-        accepting=accepting,
-        generation_tokens_per_s=loop.generation_tokens_per_s(),
-        kv_address=kv_address,
-        num_preemptions=load.num_preemptions,
-        metrics_address=metrics_address,
-    )
-
-
 def start_metrics_server(
     registry: CollectorRegistry, args: argparse.Namespace
 ) -> MetricsServer | None:
@@ -151,10 +121,11 @@ def start_metrics_server(
 
 
 class NodeServer:
-    """A grpc.aio server with the standard health service and reflection."""
+    """A grpc.aio server with the standard health service, reflection, and the error
+    interceptor (common/node_service.py) that maps what RPC methods raise to status codes."""
 
     def __init__(self, host: str, port: int, service_names: list[str]) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.common import tracing
-from pdserve.common.node import node_load
+from pdserve.common.node_service import NodeError, NodeService
 from pdserve.common.protocol import (
     finish_reason_to_proto,
     logprob_to_proto,
@@ -27,8 +27,10 @@ from pdserve.v1 import node_pb2, node_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
-class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
+class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
     """Admits requests, streams their tokens; remote prefills go through the RemotePrefiller."""
+
+    role = "decode"
 
     def __init__(
         self,
@@ -38,16 +40,12 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         model: str,
         token_timeout_s: float,
         telemetry: DecodeTelemetry,
+        metrics_address: str = "",
     ) -> None:
-        self.loop = engine_loop
+        super().__init__(engine_loop, node_id, model, metrics_address)
         self.prefiller = prefiller
-        self.node_id = node_id
-        self.model = model
         self.token_timeout_s = token_timeout_s
         self.telemetry = telemetry
-        self.accepting = True
-        self.metrics_address = ""
-        """host:port of this node's /metrics, reported in NodeLoad ("" = off)."""
         self.tracked: dict[str, Tracked] = {}
         self._seeds = random.Random()
 
@@ -57,14 +55,10 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
         self, request: node_pb2.DecodeRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[node_pb2.TokenChunk]:
         rid = request.request_id
-        if not self.accepting:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "node is draining")
+        self.check_accepting()
         if not rid or rid in self.tracked:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad or duplicate id {rid!r}")
-        try:
-            params = sampling_params_from_proto(request.sampling_params)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise NodeError.invalid(f"bad or duplicate id {rid!r}")
+        params = sampling_params_from_proto(request.sampling_params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         prompt = list(request.prompt_token_ids)
         candidates = list(request.prefill_candidates) if self.prefiller else []
@@ -87,11 +81,11 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
 
         try:
             await self.loop.call(add)
-        except ValueError as e:
+        except ValueError as e:  # a bad request: INVALID_ARGUMENT
             self.tracked.pop(rid, None)
             self.loop.close_stream(rid)
             tracing.end_span(observed.span, e)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
         # aclosing: a caller that leaves ends _stream (and aborts the request) at once.
         async with contextlib.aclosing(
             self._stream(rid, stream, tracked, observed, context)
@@ -124,10 +118,10 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 first = False
         except TimeoutError as e:
             error = e
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the deadline")
+            raise NodeError.deadline("no token within the deadline") from e
         except RuntimeError as e:  # the engine stopped or failed
             error = e
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            raise NodeError.unavailable(str(e)) from e
         finally:
             if finished_reason is None:
                 self.abort(rid)
@@ -156,25 +150,9 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
             chunk.finish_reason = finish_reason_to_proto(update.status)
         return chunk
 
-    async def Abort(
-        self, request: node_pb2.AbortRequest, context: grpc.aio.ServicerContext
-    ) -> node_pb2.AbortResponse:
-        self.abort(request.request_id)
-        return node_pb2.AbortResponse()
-
-    async def GetLoad(
-        self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
-    ) -> node_pb2.NodeLoad:
-        kv_address = self.prefiller.receiver.address if self.prefiller else ""
-        return node_load(
-            self.loop,
-            self.node_id,
-            "decode",
-            self.model,
-            self.accepting,
-            kv_address,
-            self.metrics_address,
-        )
+    @property
+    def kv_address(self) -> str:
+        return self.prefiller.receiver.address if self.prefiller else ""
 
     # -- aborting ---------------------------------------------------------------------------------
 
@@ -189,6 +167,5 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 tracked.task.cancel()
         self.loop.abort(request_id)
 
-    def abort_all(self) -> None:
-        for request_id in list(self.tracked):
-            self.abort(request_id)
+    def in_flight(self) -> list[str]:
+        return list(self.tracked)

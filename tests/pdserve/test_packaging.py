@@ -132,3 +132,19 @@ def test_the_import_checker_sees_lazy_and_upward_imports(tmp_path: Path) -> None
     assert _layer("pdserve.gateway.main") == "pdserve.gateway"
     assert _layer("pdserve.cli") == "pdserve"
     assert _layer("torch") is None
+
+
+ENGINE_INTERNALS = {"runner", "scheduler", "kv"}
+"""LLMEngine's parts. Outside pdserve.engine, code goes through the engine's facade (requests,
+step(), kv_cache, load()); benchmarks that time the parts may reach in, tests may inspect."""
+
+
+def test_nothing_outside_the_engine_reaches_into_its_parts() -> None:
+    reaching = []
+    for module, path in _modules().items():
+        if _layer(module) == "pdserve.engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                reaching.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} .{node.attr}")
+    assert reaching == []
