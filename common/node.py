@@ -1,5 +1,5 @@
-"""What the prefill and decode node processes share: flags, engine construction, the gRPC
-server with health checking and reflection, load reports, and signal handling."""
+"""What the prefill and decode node processes share: their configs (flags), engine construction,
+the gRPC server with health checking and reflection, load reports, and signal handling."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Literal, Self
 
 import grpc
 import torch
@@ -20,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.common.metrics import MetricsServer
 from pdserve.common.node_service import ErrorInterceptor
-from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_from_namespace
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
 
@@ -33,89 +35,111 @@ GRPC_OPTIONS = [
 ]
 
 
-def add_node_args(p: argparse.ArgumentParser, default_port: int) -> None:
-    """Flags every node has (engine flags come from pdserve.cli.add_engine_args)."""
-    p.add_argument("--host", default="127.0.0.1", help="address the gRPC server binds")
-    p.add_argument("--port", type=int, default=default_port, help="gRPC port (0 = any free)")
-    p.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id reported to the gateway and in KV layouts (default: --model as given)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=int,
-        default=None,
-        help="torch threads for the forward pass (default: torch's choice, all cores)",
-    )
-    p.add_argument("--node-id", default=None, help="stable node id (default: host-pid-random)")
-    p.add_argument(
-        "--kv-transport",
-        default="ucx",
-        choices=["ucx", "tcp"],
-        help="KV block transport between prefill and decode nodes (ucx via ucxx, tcp fallback)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="port of the node's Prometheus /metrics (0 = off)",
-    )
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address the /metrics server binds")
-    p.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, how long in-flight requests may take to finish before being aborted",
-    )
+@dataclass(frozen=True)
+class NodeConfig:
+    """What every node process is told at start besides the engine's settings (EngineArgs):
+    the flags of `pdserve prefill` and `pdserve decode` (add_cli_args)."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds."""
+    port: int = 0
+    """gRPC port (0 = any free)."""
+    served_model_name: str | None = None
+    """Model id reported to the gateway and in KV layouts; None: --model as given."""
+    num_threads: int | None = None
+    """Torch threads for the forward pass; None: torch's choice, all cores."""
+    node_id: str | None = None
+    """Stable node id; None: role-host-pid-random."""
+    kv_transport: Literal["ucx", "tcp"] = "ucx"
+    """KV block transport between prefill and decode nodes (ucx via ucxx, tcp fallback)."""
+    metrics_port: int = 0
+    """Port of the node's Prometheus /metrics (0 = off)."""
+    metrics_host: str = "127.0.0.1"
+    """Address the /metrics server binds."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take to finish before being aborted."""
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port", "kv_port"):
+            port = getattr(self, name, 0)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.kv_transport not in ("ucx", "tcp"):
+            raise ValueError(f"kv_transport must be 'ucx' or 'tcp', got {self.kv_transport!r}")
+        for f in fields(self):
+            if f.name.endswith("_timeout_s") and getattr(self, f.name) < 0:
+                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (default and help: the field's)."""
+        add_config_flags(parser.add_argument_group("node"), cls)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> Self:
+        return config_from_namespace(cls, args)
+
+
+@dataclass(frozen=True)
+class PrefillNodeConfig(NodeConfig):
+    """A prefill node's settings (`pdserve prefill`)."""
+
+    port: int = 50071
+    prefill_timeout_s: float = 60.0
+    """Deadline for one prompt's prefill and KV push."""
+
+
+@dataclass(frozen=True)
+class DecodeNodeConfig(NodeConfig):
+    """A decode node's settings (`pdserve decode`); the engine's decode-role settings (remote
+    prefill, speculative decoding) are EngineArgs'."""
+
+    port: int = 50061
+    kv_host: str = "127.0.0.1"
+    """Address of the KV receiver, given to prefill nodes (and bound, tcp transport); 0.0.0.0
+    binds every interface and gives this host's address (a container's, a pod's)."""
+    kv_port: int = 0
+    """KV receiver port (0 = any free)."""
+    prefill_timeout_s: float = 60.0
+    """Deadline of one Prefill call on a prefill node."""
+    kv_transfer_timeout_s: float = 10.0
+    """How long to wait for the KV blocks after the prefill node answered."""
+    token_timeout_s: float = 300.0
+    """Longest gap between two tokens of a request before it fails."""
 
 
 def build_engine(
-    args: argparse.Namespace,
-    remote_prefill_min_tokens: int = 1,
-    max_remote_prefill_queue_tokens: int = 0,
-    speculative_config: SpeculativeConfig | None = None,
-    kv_connector: EngineKVConnector | None = None,
+    engine_args: EngineArgs, config: NodeConfig, kv_connector: EngineKVConnector | None = None
 ) -> LLMEngine:
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    """The node's engine (its configs validated: ValueError names a bad setting); sets the
+    process's torch threads to config.num_threads."""
+    configs = engine_args.to_configs()
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     return LLMEngine(
-        ModelConfig(
-            model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed
-        ),
-        CacheConfig(
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            enable_prefix_caching=args.enable_prefix_caching,
-        ),
-        SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            policy=args.scheduling_policy,
-            remote_prefill_min_tokens=remote_prefill_min_tokens,
-            max_remote_prefill_queue_tokens=max_remote_prefill_queue_tokens,
-        ),
-        speculative_config=speculative_config,
+        configs.model,
+        configs.cache,
+        configs.scheduler,
+        speculative_config=configs.speculative,
         kv_connector=kv_connector,
     )
 
 
-def served_model_name(args: argparse.Namespace) -> str:
-    return args.served_model_name or args.model
+def served_model_name(config: NodeConfig, engine_args: EngineArgs) -> str:
+    return config.served_model_name or engine_args.model
 
 
-def node_id(args: argparse.Namespace, role: str) -> str:
-    return args.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+def node_id(config: NodeConfig, role: str) -> str:
+    return config.node_id or f"{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-def start_metrics_server(
-    registry: CollectorRegistry, args: argparse.Namespace
-) -> MetricsServer | None:
+def start_metrics_server(registry: CollectorRegistry, config: NodeConfig) -> MetricsServer | None:
     """The node's Prometheus /metrics server, listening, when --metrics-port is set."""
-    if not args.metrics_port:
+    if not config.metrics_port:
         return None
-    server = MetricsServer(registry, args.metrics_host, args.metrics_port)
+    server = MetricsServer(registry, config.metrics_host, config.metrics_port)
     server.start()
     return server
 

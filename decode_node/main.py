@@ -19,7 +19,7 @@ from pdserve.common.node import (
     stop_event_on_signals,
 )
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.decode_node.remote_prefill import RemotePrefiller
+from pdserve.decode_node.prefill_client import PrefillClient
 from pdserve.decode_node.servicer import DecodeServicer
 from pdserve.decode_node.telemetry import DecodeTelemetry
 from pdserve.engine.config import SpeculativeConfig
@@ -108,7 +108,7 @@ async def serve(args: argparse.Namespace) -> None:
     receiver = make_receiver(args.kv_transport, host=args.kv_host, port=args.kv_port)
     await receiver.start()
     layout = kv_layout(model, engine.kv_cache, engine.cache_config.block_size)
-    prefiller = RemotePrefiller(
+    prefiller = PrefillClient(
         engine_loop, receiver, layout, args.prefill_timeout_s, args.kv_transfer_timeout_s, metrics
     )
     servicer = DecodeServicer(

@@ -17,7 +17,7 @@ from pdserve.common.protocol import (
     logprob_to_proto,
     sampling_params_from_proto,
 )
-from pdserve.decode_node.remote_prefill import RemotePrefiller, Tracked
+from pdserve.decode_node.prefill_client import InFlightRequest, PrefillClient
 from pdserve.decode_node.telemetry import DecodeRequestTelemetry, DecodeTelemetry
 from pdserve.engine.engine_loop import EngineLoop, RequestStream
 from pdserve.engine.llm_engine import LLMEngine
@@ -28,14 +28,14 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
-    """Admits requests, streams their tokens; remote prefills go through the RemotePrefiller."""
+    """Admits requests, streams their tokens; remote prefills go through the PrefillClient."""
 
     role = "decode"
 
     def __init__(
         self,
         engine_loop: EngineLoop,
-        prefiller: RemotePrefiller | None,
+        prefiller: PrefillClient | None,
         node_id: str,
         model: str,
         token_timeout_s: float,
@@ -46,7 +46,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         self.prefiller = prefiller
         self.token_timeout_s = token_timeout_s
         self.telemetry = telemetry
-        self.tracked: dict[str, Tracked] = {}
+        self.tracked: dict[str, InFlightRequest] = {}
         self._seeds = random.Random()
 
     # -- RPCs --------------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         prompt = list(request.prompt_token_ids)
         candidates = list(request.prefill_candidates) if self.prefiller else []
         observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
-        tracked = Tracked(rid, prompt, params, seed, request.cache_salt, candidates)
+        tracked = InFlightRequest(rid, prompt, params, seed, request.cache_salt, candidates)
         tracked.trace_context = observed.context
         stream = self.loop.open_stream(rid)
         self.tracked[rid] = tracked
@@ -97,7 +97,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         self,
         rid: str,
         stream: RequestStream,
-        tracked: Tracked,
+        tracked: InFlightRequest,
         observed: DecodeRequestTelemetry,
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[node_pb2.TokenChunk]:
@@ -129,14 +129,14 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
             reason = finished_reason or "abort"
             observed.end(reason, tracked.prefilled_by, tracked.kv_bytes, error)
 
-    def _start_remote_prefill(self, rp: RemotePrefill, tracked: Tracked) -> None:
+    def _start_remote_prefill(self, rp: RemotePrefill, tracked: InFlightRequest) -> None:
         """The engine reserved the request's blocks: have a prefill node fill them."""
         if self.prefiller is None:  # reserved only when the request named candidates
             self.loop.submit(lambda: self.loop.engine.fail_remote_prefill(rp.request_id))
             return
         tracked.task = asyncio.ensure_future(self.prefiller.run(rp, tracked))
 
-    def _chunk(self, update: RequestUpdate, tracked: Tracked, first: bool) -> node_pb2.TokenChunk:
+    def _chunk(self, update: RequestUpdate, tracked: InFlightRequest, first: bool) -> node_pb2.TokenChunk:
         chunk = node_pb2.TokenChunk(
             token_ids=update.new_token_ids,
             logprobs=[logprob_to_proto(lp) for lp in update.new_logprobs if lp is not None],

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import fields, replace
 from typing import Any
 
 from tqdm import tqdm
 
-from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.request import (
     CompletionOutput,
@@ -32,48 +32,32 @@ class LLM:
     >>> llm = LLM(model="models/demo")
     >>> llm.generate(["Hello"], SamplingParams(max_tokens=8))[0].outputs[0].text
 
-    speculative_config (a dict with vLLM's keys, or a SpeculativeConfig) turns on speculative
-    decoding, e.g. {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-    or {"method": "draft_model", "model": "models/tiny", "num_speculative_tokens": 3}.
+    Keyword arguments are EngineArgs' fields (vLLM's names: dtype, block_size, max_num_seqs,
+    scheduling_policy, ...), with its defaults. speculative_config (a dict with vLLM's keys, or
+    a SpeculativeConfig) turns on speculative decoding, e.g. {"method": "ngram",
+    "num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model", "model":
+    "models/tiny", "num_speculative_tokens": 3}.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        num_blocks: int | None = None,
-        kv_cache_memory: float = 4.0,
-        seed: int = 0,
-        policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        """kwargs: EngineArgs' fields (TypeError names unknown ones); ValueError names a bad
+        value."""
+        unknown = sorted(set(kwargs) - {f.name for f in fields(EngineArgs)})
+        if unknown:
+            raise TypeError(f"LLM() got unknown engine arguments {unknown}; see EngineArgs")
+        configs = EngineArgs(model=model, **kwargs).to_configs()
         self.engine = LLMEngine(
-            ModelConfig(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed),
-            CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=kv_cache_memory,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                policy=policy,  # type: ignore[arg-type]
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-            speculative_config=(
-                SpeculativeConfig.from_dict(speculative_config)
-                if isinstance(speculative_config, Mapping)
-                else speculative_config
-            ),
+            configs.model,
+            configs.cache,
+            configs.scheduler,
+            speculative_config=configs.speculative,
         )
         self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLM:
+        """The LLM of parsed flags (EngineArgs.from_cli_args)."""
+        return cls(**{f.name: getattr(engine_args, f.name) for f in fields(engine_args)})
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -134,7 +118,7 @@ class LLM:
             return self.engine.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _add(self, tokens: list[int], params: SamplingParams, priority: int) -> list[_Tracked]:
+    def _add(self, tokens: list[int], params: SamplingParams, priority: int) -> list[_OfflineRequest]:
         """Queue params.n child requests (seeded ones get seed, seed + 1, ...)."""
         tracked = []
         for index in range(params.n):
@@ -145,7 +129,7 @@ class LLM:
             )
             request_id = str(next(self._ids))
             request = self.engine.add_request(request_id, tokens, child, priority=priority)
-            tracked.append(_Tracked(request, index, self._detokenizer(request)))
+            tracked.append(_OfflineRequest(request, index, self._detokenizer(request)))
         return tracked
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
@@ -155,7 +139,7 @@ class LLM:
             skip_special_tokens=request.sampling_params.skip_special_tokens,
         )
 
-    def _run(self, tracked: list[_Tracked], use_tqdm: bool) -> None:
+    def _run(self, tracked: list[_OfflineRequest], use_tqdm: bool) -> None:
         by_id = {t.request.request_id: t for t in tracked}
         pending = set(by_id)
         bar = tqdm(total=len(tracked), desc="generate", unit="req", disable=not use_tqdm)
@@ -180,7 +164,7 @@ class LLM:
             for request_id in pending:
                 self.engine.abort_request(request_id)
 
-    def _output(self, prompt: Prompt, group: list[_Tracked]) -> RequestOutput:
+    def _output(self, prompt: Prompt, group: list[_OfflineRequest]) -> RequestOutput:
         first = group[0].request
         return RequestOutput(
             request_id=first.request_id,
@@ -192,7 +176,7 @@ class LLM:
         )
 
 
-class _Tracked:
+class _OfflineRequest:
     """A request with its incremental detokenizer and stop-string state."""
 
     def __init__(self, request: Request, index: int, detok: IncrementalDetokenizer) -> None:

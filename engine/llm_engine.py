@@ -1,9 +1,10 @@
-"""The engine loop: accepts requests at any time, steps the scheduler and the model runner.
+"""LLMEngine: the engine. It accepts requests at any time and steps the scheduler and the model
+runner; its facade (requests, step(), kv_cache, load()) is all that code outside engine/ uses.
 
-One step: schedule() -> model_runner.execute() -> update_from_output() -> updates. This is
-the loop the offline LLM drives and the node services will drive from their own thread. With
-speculative decoding, drafts are proposed before schedule() and folded back after the update
-(engine/spec_decode/speculator.py).
+One step: schedule() -> model_runner.execute() -> update_from_output() -> StepOutput. The
+offline LLM calls step() in its own loop; a node's EngineLoop (engine_loop.py) calls it from
+the engine thread it owns. With speculative decoding, drafts are proposed before schedule() and
+folded back after the update (engine/spec_decode/speculator.py).
 """
 
 from __future__ import annotations

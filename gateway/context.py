@@ -9,7 +9,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import ApiError
-from pdserve.gateway.generation import GenerationRequest, Generator
+from pdserve.gateway.generation import GenerationPipeline, GenerationRequest
 from pdserve.gateway.logprobs import TokenTexts
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import NodeRegistry
@@ -23,7 +23,7 @@ class GatewayContext:
     config: GatewayConfig
     tokenizer: Tokenizer
     registry: NodeRegistry
-    generator: Generator
+    generator: GenerationPipeline
     admission: Admission
     token_texts: TokenTexts
     metrics: GatewayMetrics

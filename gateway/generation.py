@@ -1,4 +1,4 @@
-"""Generator: the request path from token ids to completion deltas.
+"""GenerationPipeline: the request path from token ids to completion deltas.
 
 A request fans out into n child sequences. Each child is routed to a decode node and streamed
 from its Generate call through a SequenceOutput (detokenizer + stop strings). A node that
@@ -72,7 +72,7 @@ class _NodeFailed(Exception):
     """A decode node could not finish a child; another node may."""
 
 
-class Generator:
+class GenerationPipeline:
     """Runs GenerationRequests on the decode nodes of a registry (see the module docstring)."""
 
     def __init__(

@@ -27,7 +27,7 @@ from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig, parse_address_list
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.discovery import NodeDiscovery, Resolver, resolve_ips
-from pdserve.gateway.generation import Generator
+from pdserve.gateway.generation import GenerationPipeline
 from pdserve.gateway.grpc_front import GrpcFront
 from pdserve.gateway.logprobs import TokenTexts
 from pdserve.gateway.metrics import GatewayMetrics
@@ -215,7 +215,7 @@ async def serve(
         config=config,
         tokenizer=tokenizer,
         registry=registry,
-        generator=Generator(tokenizer, registry, router, metrics),
+        generator=GenerationPipeline(tokenizer, registry, router, metrics),
         admission=admission,
         token_texts=TokenTexts(tokenizer),
         metrics=metrics,

@@ -5,7 +5,7 @@
   the prompt's last partial block once the prompt is done) and hands their sending to the node's
   event loop, so the transfer overlaps the rest of the prefill.
 - The decode role needs no connector object: its remote prefills come out of LLMEngine.step()
-  (StepOutput.remote_prefills) and decode_node/remote_prefill.py has arriving blocks written
+  (StepOutput.remote_prefills) and decode_node/prefill_client.py has arriving blocks written
   with `scatter_blocks` on the engine thread.
 
 A transfer carries the request's blocks [skip_blocks, ceil(prompt_len / block_size)) - those

@@ -10,7 +10,7 @@ import asyncio
 import itertools
 from typing import Any
 
-from pdserve.kvtransfer.expected import BaseReceiver, Route
+from pdserve.kvtransfer.receiver import BaseReceiver, Route
 from pdserve.kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from pdserve.kvtransfer.expected import BaseReceiver, Route, ScratchBuffer
+from pdserve.kvtransfer.receiver import BaseReceiver, Route, ScratchBuffer
 from pdserve.kvtransfer.transport import (
     DEFAULT_SEND_TIMEOUT_S,
     KVSender,

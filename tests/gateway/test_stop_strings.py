@@ -83,7 +83,7 @@ def test_sequence_stop_string_and_stop_token(tokenizer: Tokenizer) -> None:
 def test_sequence_matches_the_offline_engine(tokenizer: Tokenizer) -> None:
     """Random token streams, random chunking: the gateway's text and stop decision equal
     engine.llm's for the same tokens."""
-    from pdserve.engine.llm import _Tracked  # imports torch: only here
+    from pdserve.engine.llm import _OfflineRequest  # imports torch: only here
     from pdserve.engine.request import Request, SamplingParams
 
     rng = random.Random(0)
@@ -93,7 +93,7 @@ def test_sequence_matches_the_offline_engine(tokenizer: Tokenizer) -> None:
         stops = rng.sample(["ab", "c é", "好 b", "\n", "bab", "zz"], rng.randint(0, 3))
         prompt = [0, rng.choice(words)]
         engine_params = SamplingParams(max_tokens=len(tokens), stop=tuple(stops))
-        tracked = _Tracked(
+        tracked = _OfflineRequest(
             Request(str(trial), prompt, engine_params), 0, IncrementalDetokenizer(tokenizer, prompt)
         )
         seq = SequenceOutput(

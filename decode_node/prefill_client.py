@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Tracked:
+class InFlightRequest:
     """A decode request as the node sees it while it is in flight."""
 
     request_id: str
@@ -70,7 +70,7 @@ class _Arrivals:
             self.trace_context = header.trace_context
 
 
-class RemotePrefiller:
+class PrefillClient:
     """Runs remote prefills for the decode node."""
 
     def __init__(
@@ -102,13 +102,13 @@ class RemotePrefiller:
             await channel.close()
         self._channels.clear()
 
-    def cancel_transfer(self, tracked: Tracked) -> None:
+    def cancel_transfer(self, tracked: InFlightRequest) -> None:
         """Stop scattering for this request now (before its blocks can be freed)."""
         if tracked.transfer_id is not None:
             self.receiver.cancel(tracked.transfer_id)
             tracked.transfer_id = None
 
-    async def run(self, rp: RemotePrefill, tracked: Tracked) -> None:
+    async def run(self, rp: RemotePrefill, tracked: InFlightRequest) -> None:
         """Fill rp's blocks from the first candidate that delivers, else prefill locally."""
         engine = self.engine_loop.engine
         for address in tracked.candidates:
@@ -154,7 +154,7 @@ class RemotePrefiller:
             self.engine_loop.publish([update])
 
     async def _try(
-        self, address: str, rp: RemotePrefill, tracked: Tracked, span: Span
+        self, address: str, rp: RemotePrefill, tracked: InFlightRequest, span: Span
     ) -> tuple[node_pb2.PrefillResponse, int]:
         block_size = self.layout.block_size
         skip = rp.num_local_cached_tokens // block_size
@@ -220,7 +220,7 @@ class RemotePrefiller:
         }
         tracing.record_span("kv.receive", parent, arrivals.first_s, arrivals.last_s, attributes)
 
-    def _abort_remote(self, address: str, tracked: Tracked) -> None:
+    def _abort_remote(self, address: str, tracked: InFlightRequest) -> None:
         """The request went away mid-prefill: stop receiving and tell the prefill node."""
         self.cancel_transfer(tracked)
         abort = node_pb2.AbortRequest(request_id=tracked.request_id)
