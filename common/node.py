@@ -11,7 +11,7 @@ import signal
 import socket
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal, Self
 
 import grpc
@@ -60,17 +60,14 @@ class NodeConfig:
     """On SIGTERM, how long in-flight requests may take to finish before being aborted."""
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port", "kv_port"):
-            port = getattr(self, name, 0)
-            if not 0 <= port < 65536:
-                raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        _check_port("port", self.port)
+        _check_port("metrics_port", self.metrics_port)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
         if self.kv_transport not in ("ucx", "tcp"):
             raise ValueError(f"kv_transport must be 'ucx' or 'tcp', got {self.kv_transport!r}")
-        for f in fields(self):
-            if f.name.endswith("_timeout_s") and getattr(self, f.name) < 0:
-                raise ValueError(f"{f.name} must be >= 0, got {getattr(self, f.name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -89,6 +86,10 @@ class PrefillNodeConfig(NodeConfig):
     port: int = 50071
     prefill_timeout_s: float = 60.0
     """Deadline for one prompt's prefill and KV push."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_positive(self, "prefill_timeout_s")
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,22 @@ class DecodeNodeConfig(NodeConfig):
     token_timeout_s: float = 300.0
     """Longest gap between two tokens of a request before it fails."""
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_port("kv_port", self.kv_port)
+        for name in ("prefill_timeout_s", "kv_transfer_timeout_s", "token_timeout_s"):
+            _check_positive(self, name)
+
+
+def _check_port(name: str, port: int) -> None:
+    if not 0 <= port < 65536:
+        raise ValueError(f"{name} must be in [0, 65535], got {port}")
+
+
+def _check_positive(config: NodeConfig, name: str) -> None:
+    if getattr(config, name) <= 0:
+        raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+
 
 def build_engine(
     engine_args: EngineArgs, config: NodeConfig, kv_connector: EngineKVConnector | None = None
@@ -119,10 +136,10 @@ def build_engine(
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     return LLMEngine(
-        configs.model,
-        configs.cache,
-        configs.scheduler,
-        speculative_config=configs.speculative,
+        configs.model_config,
+        configs.cache_config,
+        configs.scheduler_config,
+        speculative_config=configs.speculative_config,
         kv_connector=kv_connector,
     )
 

@@ -135,12 +135,12 @@ def config_argv(config: Any, names: Iterable[str] | None = None) -> list[str]:
 
 
 class EngineConfigs(NamedTuple):
-    """What an LLMEngine is built from."""
+    """What an LLMEngine is built from (named like its parameters)."""
 
-    model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    speculative: SpeculativeConfig | None
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    speculative_config: SpeculativeConfig | None
 
 
 _CONFIG_FIELD = {"scheduling_policy": "policy"}
@@ -153,9 +153,9 @@ DECODE_ONLY = frozenset(
 
 DECODE_DEFAULTS: Mapping[str, Any] = types.MappingProxyType({"remote_prefill_min_tokens": 32})
 """The decode role's defaults where they differ from the engine's (its flags' defaults, the one
-place they are written): a decode node prefills a prompt with fewer than 32 uncached tokens
-itself rather than pay a remote prefill's round trip; SchedulerConfig's 1 sends every prompt
-that can go remote."""
+place they are written): a decode node prefills prompts with fewer than 32 uncached tokens
+itself; SchedulerConfig's 1 (the engine's, which offline never prefills remotely) would send
+every prompt that can go remote."""
 
 
 @dataclass(frozen=True)

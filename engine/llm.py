@@ -47,10 +47,10 @@ class LLM:
             raise TypeError(f"LLM() got unknown engine arguments {unknown}; see EngineArgs")
         configs = EngineArgs(model=model, **kwargs).to_configs()
         self.engine = LLMEngine(
-            configs.model,
-            configs.cache,
-            configs.scheduler,
-            speculative_config=configs.speculative,
+            configs.model_config,
+            configs.cache_config,
+            configs.scheduler_config,
+            speculative_config=configs.speculative_config,
         )
         self._ids = itertools.count()
 

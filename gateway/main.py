@@ -15,12 +15,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import uvicorn
 
 from pdserve.common import tracing
+from pdserve.engine.arg_utils import add_config_flags, config_field_docs
 from pdserve.engine.platform import freeze_startup_objects
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission
@@ -38,24 +39,39 @@ from pdserve.gateway.server import build_app
 logger = logging.getLogger("gateway")
 
 _SERVER_STOP_GRACE_S = 1
-DEFAULT_LOG_LEVEL = "INFO"
 """After the drain, how long the servers give calls still open before cutting them."""
+
+CONFIG_FLAGS = (
+    "host",
+    "port",
+    "grpc_port",
+    "dns_refresh_s",
+    "max_model_len",
+    "max_num_requests",
+    "request_timeout_s",
+    "drain_timeout_s",
+    "keep_alive_timeout_s",
+)
+"""GatewayConfig fields whose flag is the field as it is (default and help: the field's)."""
+_FLAG_HELP = {"grpc_port": "Public gRPC port (0 disables the gRPC front)."}
+"""Where the flag's meaning differs from the field's docstring."""
+
+
+def add_gateway_config_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, names: Iterable[str] = CONFIG_FLAGS
+) -> None:
+    """Flags for GatewayConfig fields of CONFIG_FLAGS (`pdserve serve` has some of them too)."""
+    add_config_flags(parser, GatewayConfig, names, helps=_FLAG_HELP)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The gateway's flags (vLLM's names where the meaning matches)."""
-    parser.add_argument(
-        "--model", required=True, help="model directory: tokenizer and chat template source"
-    )
+    docs = config_field_docs(GatewayConfig)
+    parser.add_argument("--model", required=True, help=docs["model"])
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="model id clients must name in requests (default: --model exactly as given)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="OpenAI REST port")
-    parser.add_argument(
-        "--grpc-port", type=int, default=50051, help="public gRPC port (0 disables the gRPC front)"
+        help="Model id clients must name; None: --model as given.",
     )
     parser.add_argument(
         "--decode-nodes",
@@ -68,56 +84,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="prefill nodes, as --decode-nodes (empty: decode nodes prefill locally)",
     )
-    parser.add_argument(
-        "--dns-refresh-s",
-        type=float,
-        default=2.0,
-        help="how often DNS names among the node entries are resolved again; nodes that appear "
-        "are added, nodes that disappear finish their streams (0: no re-resolution)",
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output accepted (default: the smallest the decode nodes report)",
-    )
-    parser.add_argument(
-        "--max-num-requests",
-        type=int,
-        default=1024,
-        help="requests in flight at once; beyond this, 429 with Retry-After",
-    )
-    parser.add_argument(
-        "--request-timeout-s",
-        type=float,
-        default=600.0,
-        help="deadline of one request, arrival to last token (seconds)",
-    )
-    parser.add_argument(
-        "--drain-timeout-s",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, how long requests in flight may take to finish (seconds)",
-    )
-    parser.add_argument(
-        "--keep-alive-timeout-s",
-        type=float,
-        default=30.0,
-        help="how long an idle HTTP connection is kept open for the client's next request "
-        "(seconds); keep it above the clients' own idle expiry (httpx: 5 s), or a request sent "
-        "just as the server closes the connection fails with a reset",
-    )
+    add_gateway_config_flags(parser)
     # SUPPRESS: under `pdserve gateway` the top-level --log-level must not be overwritten by
     # this sub-command's default.
     parser.add_argument(
         "--log-level",
         default=argparse.SUPPRESS,
-        help=f"logging level (DEBUG, INFO, ...; default {DEFAULT_LOG_LEVEL})",
+        help=f"logging level (DEBUG, INFO, ...; default {GatewayConfig.log_level})",
     )
 
 
 def _log_level(args: argparse.Namespace) -> str:
-    return getattr(args, "log_level", DEFAULT_LOG_LEVEL)
+    return getattr(args, "log_level", GatewayConfig.log_level)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
@@ -290,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
-        level=DEFAULT_LOG_LEVEL,  # run() applies --log-level once it is validated
+        level=GatewayConfig.log_level,  # run() applies --log-level once it is validated
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -7,75 +7,28 @@ import json
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+from pdserve.engine.arg_utils import EngineArgs
 
 logger = logging.getLogger("pdserve")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named like vLLM's where the meaning matches."""
-    p.add_argument("--model", required=True, help="model directory (Hugging Face format)")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="weights and KV cache dtype; auto = the checkpoint's (float16 becomes bfloat16)",
-    )
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    p.add_argument("--max-num-seqs", type=int, default=128, help="most requests in one step")
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="token budget of one scheduler step (prefill chunks + decodes)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="longest prompt + output; default: the model's max_position_embeddings",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse KV blocks of shared prompt prefixes (default on)",
-    )
-    p.add_argument(
-        "--num-blocks",
-        type=int,
-        default=None,
-        help="number of KV blocks (overrides --kv-cache-memory)",
-    )
-    p.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=4.0,
-        help="KV cache size in GiB (the CPU analogue of --gpu-memory-utilization)",
-    )
-    p.add_argument(
-        "--scheduling-policy",
-        default="fcfs",
-        choices=["fcfs", "priority"],
-        help="admission/preemption order: arrival, or priority then arrival",
-    )
-    p.add_argument("--seed", type=int, default=0, help="seed for requests without one of their own")
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default (but a required flag's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required:
+            return action.help
+        return super()._get_help_string(action)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """The LLM(...) keyword arguments from parsed engine flags."""
-    return dict(
-        model=args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_blocks=args.num_blocks,
-        kv_cache_memory=args.kv_cache_memory,
-        policy=args.scheduling_policy,
-        seed=args.seed,
-    )
+class ArgumentParser(argparse.ArgumentParser):
+    """pdserve's parsers, its sub-commands' included: --help shows the defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 def cmd_make_model(args: argparse.Namespace) -> int:
@@ -88,7 +41,7 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine import LLM, SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
     params = SamplingParams(
         temperature=args.temperature,
         top_p=args.top_p,
@@ -131,10 +84,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="pdserve", description="LLM inference and serving with disaggregated prefill/decode."
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="logging level (DEBUG, INFO, WARNING); `serve` passes it to every process it starts",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     mm = sub.add_parser(
@@ -164,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="generate offline from prompts",
         description="Run the engine offline on the given prompts and write the completions.",
     )
-    add_engine_args(gen)
+    EngineArgs.add_cli_args(gen)
     gen.add_argument("prompts", nargs="+", help="prompt texts")
     gen.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

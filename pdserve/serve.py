@@ -24,70 +24,29 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.common.node import NodeConfig
+from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_argv, flag_argv
+from pdserve.gateway.main import add_gateway_config_flags
+
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-# Engine flags forwarded to every node unchanged: (argparse dest, flag).
-_ENGINE_FLAGS = [
-    ("dtype", "--dtype"),
-    ("block_size", "--block-size"),
-    ("max_num_seqs", "--max-num-seqs"),
-    ("max_num_batched_tokens", "--max-num-batched-tokens"),
-    ("max_model_len", "--max-model-len"),
-    ("num_blocks", "--num-blocks"),
-    ("kv_cache_memory", "--kv-cache-memory"),
-    ("scheduling_policy", "--scheduling-policy"),
-    ("seed", "--seed"),
-    ("num_threads", "--num-threads"),
-    ("kv_transport", "--kv-transport"),
-    ("served_model_name", "--served-model-name"),
-]
+_NODE_FLAGS = ("served_model_name", "num_threads", "kv_transport")
+"""NodeConfig fields that are flags of `serve` too, passed on to every node."""
+_GATEWAY_FLAGS = ("host", "port", "grpc_port", "max_num_requests")
+"""GatewayConfig fields that are flags of `serve` too, passed on to the gateway."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.cli import add_engine_args
-
-    add_engine_args(p)
+    EngineArgs.add_cli_args(p, decode=True)
+    add_config_flags(p.add_argument_group("nodes"), NodeConfig, _NODE_FLAGS)
+    add_gateway_config_flags(p.add_argument_group("gateway"), _GATEWAY_FLAGS)
     p.add_argument("--num-prefill", type=int, default=1, help="prefill node processes (0 = none)")
     p.add_argument("--num-decode", type=int, default=1, help="decode node processes (>= 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port (OpenAI REST)")
-    p.add_argument("--grpc-port", type=int, default=50051, help="gateway gRPC port (0 = off)")
-    p.add_argument(
-        "--served-model-name", default=None, help="model id clients use (default: --model)"
-    )
-    p.add_argument(
-        "--kv-transport", default="ucx", choices=["ucx", "tcp"], help="KV transport between nodes"
-    )
-    p.add_argument(
-        "--remote-prefill-min-tokens",
-        type=int,
-        default=32,
-        help="decode nodes prefill prompts with fewer uncached tokens locally",
-    )
-    p.add_argument(
-        "--max-remote-prefill-queue-tokens",
-        type=int,
-        default=0,
-        help="decode nodes prefill a prompt locally while they wait on prefill nodes for at least "
-        "this many tokens and their own prefill backlog is shorter (0 = off; see `pdserve decode "
-        "--help`)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        help="speculative decoding on the decode nodes, as JSON (see `pdserve decode --help`)",
-    )
-    p.add_argument(
-        "--num-threads", type=int, default=None, help="torch threads per node (default: all)"
-    )
     p.add_argument(
         "--pin-cpus",
         action="store_true",
         help="pin node k to CPU core k mod cores (with --num-threads 1: one core per node)",
-    )
-    p.add_argument(
-        "--max-num-requests", type=int, default=1024, help="gateway admission limit (then 429)"
     )
     p.add_argument(
         "--startup-timeout-s",
@@ -111,8 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--node-arg",
         action="append",
         default=[],
-        help="extra flag passed to every node, e.g. --node-arg=--speculative-config=... "
-        "(repeatable)",
+        help="extra flag passed to every node, e.g. --node-arg=--drain-timeout-s=5 (repeatable)",
     )
     p.add_argument(
         "--prefill-node-arg",
@@ -126,6 +84,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         help="extra flag passed to decode nodes only, after --node-arg, e.g. "
         "--decode-node-arg=--max-num-batched-tokens=256 (repeatable)",
+    )
+    p.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra flag passed to the gateway, after the ones serve gives it, e.g. "
+        "--gateway-arg=--request-timeout-s=60 (repeatable)",
     )
 
 
@@ -160,15 +125,35 @@ def _pin(core: int):
     return setup
 
 
-def _forwarded(args: argparse.Namespace) -> list[str]:
-    argv = ["--model", args.model]
-    for dest, flag in _ENGINE_FLAGS:
-        value = getattr(args, dest, None)
-        if value is not None:
-            argv += [flag, str(value)]
-    if not args.enable_prefix_caching:
-        argv.append("--no-enable-prefix-caching")
-    return argv + list(args.node_arg)
+def node_argv(
+    args: argparse.Namespace, role: str, port: int, metrics_port: int | None
+) -> list[str]:
+    """The `pdserve` argv of one node: serve's engine and node flags, then --node-arg, its port,
+    then --prefill-node-arg or --decode-node-arg (the last of a repeated flag wins)."""
+    decode = role == "decode"
+    argv = ["--log-level", args.log_level, role]
+    argv += EngineArgs.from_cli_args(args).to_argv(decode=decode)
+    argv += config_argv(NodeConfig(**{name: getattr(args, name) for name in _NODE_FLAGS}))
+    argv += [*args.node_arg, "--port", str(port)]
+    argv += args.decode_node_arg if decode else args.prefill_node_arg
+    if metrics_port is not None:
+        argv += ["--metrics-port", str(metrics_port)]
+    return argv
+
+
+def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]) -> list[str]:
+    """The `pdserve` argv of the gateway over these node addresses, then --gateway-arg."""
+    argv = ["--log-level", args.log_level, "gateway", *flag_argv("model", args.model)]
+    for name in _GATEWAY_FLAGS:
+        argv += flag_argv(name, getattr(args, name))
+    argv += flag_argv("decode_nodes", ",".join(decode))
+    if prefill:
+        argv += flag_argv("prefill_nodes", ",".join(prefill))
+    if args.served_model_name:
+        argv += flag_argv("served_model_name", args.served_model_name)
+    if args.max_model_len:
+        argv += flag_argv("max_model_len", args.max_model_len)
+    return argv + args.gateway_arg
 
 
 def _spawn(name: str, argv: list[str], core: int | None) -> subprocess.Popen:
@@ -181,40 +166,18 @@ def _spawn(name: str, argv: list[str], core: int | None) -> subprocess.Popen:
 def start_stack(args: argparse.Namespace) -> list[Child]:
     children: list[Child] = []
     cores = os.cpu_count() or 1
-    node_argv = _forwarded(args)
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for i in range(count):
             port = free_port()
-            argv = [role, *node_argv, "--port", str(port)]
-            if role == "decode":
-                argv += ["--remote-prefill-min-tokens", str(args.remote_prefill_min_tokens)]
-                argv += [
-                    "--max-remote-prefill-queue-tokens",
-                    str(args.max_remote_prefill_queue_tokens),
-                ]
-                if args.speculative_config:
-                    argv += ["--speculative-config", args.speculative_config]
-            argv += args.decode_node_arg if role == "decode" else args.prefill_node_arg
-            metrics_address = ""
-            if args.node_metrics:
-                metrics_port = free_port()
-                argv += ["--metrics-port", str(metrics_port)]
-                metrics_address = f"127.0.0.1:{metrics_port}"
+            metrics_port = free_port() if args.node_metrics else None
+            argv = node_argv(args, role, port, metrics_port)
             core = len(children) % cores if args.pin_cpus else None
             process = _spawn(f"{role}-{i}", argv, core)
+            metrics_address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
             children.append(Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address))
-    prefill = ",".join(c.address for c in children if c.name.startswith("prefill"))
-    decode = ",".join(c.address for c in children if c.name.startswith("decode"))
-    gateway_argv = ["gateway", "--model", args.model, "--host", args.host]
-    gateway_argv += ["--port", str(args.port), "--grpc-port", str(args.grpc_port)]
-    gateway_argv += ["--decode-nodes", decode, "--max-num-requests", str(args.max_num_requests)]
-    if prefill:
-        gateway_argv += ["--prefill-nodes", prefill]
-    if args.served_model_name:
-        gateway_argv += ["--served-model-name", args.served_model_name]
-    if args.max_model_len:
-        gateway_argv += ["--max-model-len", str(args.max_model_len)]
-    gateway = _spawn("gateway", gateway_argv, None)
+    prefill = [c.address for c in children if c.name.startswith("prefill")]
+    decode = [c.address for c in children if c.name.startswith("decode")]
+    gateway = _spawn("gateway", gateway_argv(args, prefill, decode), None)
     address = f"{args.host}:{args.port}"
     children.append(Child("gateway", gateway, address, address))
     return children

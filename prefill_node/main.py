@@ -10,7 +10,7 @@ import logging
 from pdserve.common import tracing
 from pdserve.common.node import (
     NodeServer,
-    add_node_args,
+    PrefillNodeConfig,
     build_engine,
     drain,
     node_id,
@@ -19,6 +19,7 @@ from pdserve.common.node import (
     stop_event_on_signals,
 )
 from pdserve.common.node_metrics import NodeMetrics
+from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.platform import freeze_startup_objects
 from pdserve.kvtransfer.connector import KVPushConnector
@@ -31,37 +32,31 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from pdserve.cli import add_engine_args
-
-    add_engine_args(p)
-    add_node_args(p, default_port=50071)
-    p.add_argument(
-        "--prefill-timeout-s",
-        type=float,
-        default=60.0,
-        help="deadline for one prompt's prefill and KV push",
-    )
+    EngineArgs.add_cli_args(p)
+    PrefillNodeConfig.add_cli_args(p)
 
 
 async def serve(args: argparse.Namespace) -> None:
+    engine_args = EngineArgs.from_cli_args(args)
+    config = PrefillNodeConfig.from_cli_args(args)
     loop = asyncio.get_running_loop()
     stop = stop_event_on_signals(loop)
-    model = served_model_name(args)
-    this_node = node_id(args, "prefill")
+    model = served_model_name(config, engine_args)
+    this_node = node_id(config, "prefill")
     tracing.setup("prefill", this_node)
     sender = make_sender(args.kv_transport)
     connector = KVPushConnector(model, sender, loop)
-    engine = build_engine(args, kv_connector=connector)
+    engine = build_engine(engine_args, config, kv_connector=connector)
     metrics = NodeMetrics(engine, "prefill", model, this_node)
     telemetry = PrefillTelemetry(metrics, this_node)
     engine_loop = EngineLoop(engine, loop)
     servicer = PrefillServicer(
-        engine_loop, connector, this_node, model, args.prefill_timeout_s, telemetry
+        engine_loop, connector, this_node, model, config.prefill_timeout_s, telemetry
     )
-    metrics_server = start_metrics_server(metrics.registry, args)
+    metrics_server = start_metrics_server(metrics.registry, config)
     servicer.metrics_address = metrics_server.address if metrics_server else ""
     service = node_pb2.DESCRIPTOR.services_by_name["PrefillNode"].full_name
-    server = NodeServer(args.host, args.port, [service])
+    server = NodeServer(config.host, config.port, [service])
     node_pb2_grpc.add_PrefillNodeServicer_to_server(servicer, server.server)
     freeze_startup_objects()
     engine_loop.start()
@@ -72,7 +67,7 @@ async def serve(args: argparse.Namespace) -> None:
         logger.info("draining")
         servicer.accepting = False
         await server.set_serving(False)
-        await drain(engine_loop, args.drain_timeout_s, servicer.abort_all, "prefill")
+        await drain(engine_loop, config.drain_timeout_s, servicer.abort_all, "prefill")
     finally:
         servicer.abort_all()
         await server.stop(grace_s=2.0)

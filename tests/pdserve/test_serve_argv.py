@@ -1,0 +1,154 @@
+"""What `pdserve serve` tells each process it starts: the engine flags (EngineArgs.to_argv), the
+node flags, --node-arg / --prefill-node-arg / --decode-node-arg, --gateway-arg, and the
+top-level --log-level; each argv parses back, in `pdserve`'s own parser, to serve's settings."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pdserve import serve
+from pdserve.cli import build_parser
+from pdserve.common.node import DecodeNodeConfig, PrefillNodeConfig
+from pdserve.engine.arg_utils import EngineArgs
+from pdserve.engine.config import SpeculativeConfig
+from pdserve.gateway.config import GatewayConfig
+from pdserve.gateway.main import config_from_args
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 2}'
+SERVE = [
+    "--log-level", "DEBUG", "serve", "--model", "models/tiny", "--block-size", "32",
+    "--max-model-len", "256", "--remote-prefill-min-tokens", "1", "--speculative-config", SPEC,
+    "--no-enable-prefix-caching", "--num-threads", "1", "--kv-transport", "tcp",
+    "--served-model-name", "tiny", "--port", "8001", "--grpc-port", "0",
+    "--node-arg=--drain-timeout-s=1", "--decode-node-arg=--max-num-seqs=4",
+    "--prefill-node-arg=--prefill-timeout-s=9", "--gateway-arg=--request-timeout-s=5",
+    "--gateway-arg=--dns-refresh-s=0",
+]  # fmt: skip
+ENGINE = [
+    "--model=models/tiny", "--max-model-len=256", "--block-size=32", "--no-enable-prefix-caching",
+]  # fmt: skip
+NODE = ["--served-model-name=tiny", "--num-threads=1", "--kv-transport=tcp"]
+
+
+@pytest.fixture
+def args() -> argparse.Namespace:
+    return build_parser().parse_args(SERVE)
+
+
+def test_decode_node_argv(args: argparse.Namespace) -> None:
+    argv = serve.node_argv(args, "decode", 7001, metrics_port=7002)
+    assert argv == [
+        "--log-level", "DEBUG", "decode", *ENGINE, "--remote-prefill-min-tokens=1",
+        f"--speculative-config={SPEC}", *NODE, "--drain-timeout-s=1", "--port", "7001",
+        "--max-num-seqs=4", "--metrics-port", "7002",
+    ]  # fmt: skip
+    parsed = build_parser().parse_args(argv)
+    assert parsed.log_level == "DEBUG"
+    engine = EngineArgs.from_cli_args(parsed)
+    assert engine == EngineArgs(
+        model="models/tiny",
+        max_model_len=256,
+        block_size=32,
+        enable_prefix_caching=False,
+        max_num_seqs=4,  # --decode-node-arg
+        remote_prefill_min_tokens=1,  # the decode flag's default is 32: passed on all the same
+        speculative_config=SpeculativeConfig(num_speculative_tokens=2),
+    )
+    assert DecodeNodeConfig.from_cli_args(parsed) == DecodeNodeConfig(
+        port=7001,
+        served_model_name="tiny",
+        num_threads=1,
+        kv_transport="tcp",
+        metrics_port=7002,
+        drain_timeout_s=1.0,
+    )
+
+
+def test_prefill_node_argv_has_no_decode_flags(args: argparse.Namespace) -> None:
+    argv = serve.node_argv(args, "prefill", 7003, metrics_port=None)
+    assert argv == [
+        "--log-level", "DEBUG", "prefill", *ENGINE, *NODE, "--drain-timeout-s=1",
+        "--port", "7003", "--prefill-timeout-s=9",
+    ]  # fmt: skip
+    parsed = build_parser().parse_args(argv)
+    assert EngineArgs.from_cli_args(parsed) == EngineArgs(
+        model="models/tiny", max_model_len=256, block_size=32, enable_prefix_caching=False
+    )
+    assert PrefillNodeConfig.from_cli_args(parsed) == PrefillNodeConfig(
+        port=7003,
+        served_model_name="tiny",
+        num_threads=1,
+        kv_transport="tcp",
+        drain_timeout_s=1.0,
+        prefill_timeout_s=9.0,
+    )
+
+
+def test_gateway_argv_passes_gateway_args_and_the_log_level(args: argparse.Namespace) -> None:
+    argv = serve.gateway_argv(args, ["127.0.0.1:7003"], ["127.0.0.1:7001", "127.0.0.1:7004"])
+    assert argv == [
+        "--log-level", "DEBUG", "gateway", "--model=models/tiny", "--host=127.0.0.1",
+        "--port=8001", "--grpc-port=0", "--max-num-requests=1024",
+        "--decode-nodes=127.0.0.1:7001,127.0.0.1:7004", "--prefill-nodes=127.0.0.1:7003",
+        "--served-model-name=tiny", "--max-model-len=256",
+        "--request-timeout-s=5", "--dns-refresh-s=0",
+    ]  # fmt: skip
+    assert config_from_args(build_parser().parse_args(argv)) == GatewayConfig(
+        model="models/tiny",
+        served_model_name="tiny",
+        decode_nodes=("127.0.0.1:7001", "127.0.0.1:7004"),
+        prefill_nodes=("127.0.0.1:7003",),
+        port=8001,
+        grpc_port=None,
+        max_model_len=256,
+        request_timeout_s=5.0,
+        dns_refresh_s=0.0,
+        log_level="DEBUG",
+    )
+
+
+def test_defaults_pass_only_model_and_log_level() -> None:
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert serve.node_argv(args, "decode", 7001, None) == [
+        "--log-level", "INFO", "decode", "--model=m", "--port", "7001",
+    ]  # fmt: skip
+    assert serve.gateway_argv(args, [], ["127.0.0.1:7001"]) == [
+        "--log-level", "INFO", "gateway", "--model=m", "--host=127.0.0.1", "--port=8000",
+        "--grpc-port=50051", "--max-num-requests=1024", "--decode-nodes=127.0.0.1:7001",
+    ]  # fmt: skip
+
+
+class _Process:
+    pid = 0
+
+
+def test_start_stack_wires_the_addresses(
+    args: argparse.Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spawned: dict[str, list[str]] = {}
+
+    def spawn(name: str, argv: list[str], core: int | None) -> _Process:
+        spawned[name] = argv
+        return _Process()
+
+    ports = iter(range(7001, 7100))
+    monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(ports))
+    monkeypatch.setattr(serve, "_spawn", spawn)
+    args.num_prefill, args.num_decode = 1, 2
+    children = serve.start_stack(args)
+    assert [(c.name, c.address, c.metrics_address) for c in children] == [
+        ("prefill-0", "127.0.0.1:7001", "127.0.0.1:7002"),
+        ("decode-0", "127.0.0.1:7003", "127.0.0.1:7004"),
+        ("decode-1", "127.0.0.1:7005", "127.0.0.1:7006"),
+        ("gateway", "127.0.0.1:8001", "127.0.0.1:8001"),
+    ]
+    assert spawned["decode-1"] == serve.node_argv(args, "decode", 7005, 7006)
+    assert spawned["prefill-0"] == serve.node_argv(args, "prefill", 7001, 7002)
+    gateway = build_parser().parse_args(spawned["gateway"])
+    assert (gateway.decode_nodes, gateway.prefill_nodes) == (
+        "127.0.0.1:7003,127.0.0.1:7005",
+        "127.0.0.1:7001",
+    )
+    assert all(argv[:2] == ["--log-level", "DEBUG"] for argv in spawned.values())
