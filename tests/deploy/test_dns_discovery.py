@@ -32,10 +32,13 @@ from tests.integration.procs import Proc, free_port, wait_grpc_serving
 NAME = "decode.pool.svc"
 NODE_FLAGS = [
     "--kv-transport", "tcp", "--block-size", "16", "--num-blocks", "512", "--dtype", "float32",
-    "--max-model-len", "512", "--num-threads", "1", "--drain-timeout-s", "30",
+    "--max-model-len", "2048", "--num-threads", "1", "--drain-timeout-s", "60",
 ]  # fmt: skip
-LONG_TOKENS = 450
-"""The stream kept running on the node that is removed (seconds of decoding here)."""
+LONG_TOKENS = 1900
+"""The stream kept running on the node that is removed (seconds of decoding here). It must
+outlive the window in which the test counts requests on that node: the node's request metrics
+are observed when a request ends, so the long one ending there reads as a request routed to it
+(450 tokens did end inside the window on this machine, every run)."""
 SHORT_TOKENS = 8
 
 
