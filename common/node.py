@@ -1,18 +1,21 @@
-"""What the prefill and decode node processes share: their configs (flags), engine construction,
-the gRPC server with health checking and reflection, load reports, and signal handling."""
+"""The life every node process shares, whatever its role: `serve_node` builds the engine, serves
+gRPC with health checking and reflection, drains on SIGTERM and cleans up. A role (prefill_node/,
+decode_node/) is a `NodeRole`: its KV transport, its servicer, and how it closes.
+
+    parse config -> role.start (transport) -> build engine -> metrics -> engine loop
+      -> role.servicer -> gRPC server -> serve until SIGTERM/SIGINT -> drain -> clean up
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import signal
 import socket
 import uuid
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Literal, Self
 
 import grpc
 import torch
@@ -20,11 +23,15 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
+from pdserve.common import tracing
 from pdserve.common.metrics import MetricsServer
-from pdserve.common.node_service import ErrorInterceptor
-from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_from_namespace
+from pdserve.common.node_config import NodeConfig
+from pdserve.common.node_metrics import NodeMetrics
+from pdserve.common.node_service import ErrorInterceptor, NodeService
+from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
+from pdserve.engine.platform import freeze_startup_objects
 
 logger = logging.getLogger(__name__)
 
@@ -33,98 +40,8 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.so_reuseport", 0),
 ]
-
-
-@dataclass(frozen=True)
-class NodeConfig:
-    """What every node process is told at start besides the engine's settings (EngineArgs):
-    the flags of `pdserve prefill` and `pdserve decode` (add_cli_args)."""
-
-    host: str = "127.0.0.1"
-    """Address the gRPC server binds."""
-    port: int = 0
-    """gRPC port (0 = any free)."""
-    served_model_name: str | None = None
-    """Model id reported to the gateway and in KV layouts; None: --model as given."""
-    num_threads: int | None = None
-    """Torch threads for the forward pass; None: torch's choice, all cores."""
-    node_id: str | None = None
-    """Stable node id; None: role-host-pid-random."""
-    kv_transport: Literal["ucx", "tcp"] = "ucx"
-    """KV block transport between prefill and decode nodes (ucx via ucxx, tcp fallback)."""
-    metrics_port: int = 0
-    """Port of the node's Prometheus /metrics (0 = off)."""
-    metrics_host: str = "127.0.0.1"
-    """Address the /metrics server binds."""
-    drain_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests may take to finish before being aborted."""
-
-    def __post_init__(self) -> None:
-        _check_port("port", self.port)
-        _check_port("metrics_port", self.metrics_port)
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.kv_transport not in ("ucx", "tcp"):
-            raise ValueError(f"kv_transport must be 'ucx' or 'tcp', got {self.kv_transport!r}")
-        if self.drain_timeout_s < 0:
-            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one flag per field (default and help: the field's)."""
-        add_config_flags(parser.add_argument_group("node"), cls)
-
-    @classmethod
-    def from_cli_args(cls, args: argparse.Namespace) -> Self:
-        return config_from_namespace(cls, args)
-
-
-@dataclass(frozen=True)
-class PrefillNodeConfig(NodeConfig):
-    """A prefill node's settings (`pdserve prefill`)."""
-
-    port: int = 50071
-    prefill_timeout_s: float = 60.0
-    """Deadline for one prompt's prefill and KV push."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_positive(self, "prefill_timeout_s")
-
-
-@dataclass(frozen=True)
-class DecodeNodeConfig(NodeConfig):
-    """A decode node's settings (`pdserve decode`); the engine's decode-role settings (remote
-    prefill, speculative decoding) are EngineArgs'."""
-
-    port: int = 50061
-    kv_host: str = "127.0.0.1"
-    """Address of the KV receiver, given to prefill nodes (and bound, tcp transport); 0.0.0.0
-    binds every interface and gives this host's address (a container's, a pod's)."""
-    kv_port: int = 0
-    """KV receiver port (0 = any free)."""
-    prefill_timeout_s: float = 60.0
-    """Deadline of one Prefill call on a prefill node."""
-    kv_transfer_timeout_s: float = 10.0
-    """How long to wait for the KV blocks after the prefill node answered."""
-    token_timeout_s: float = 300.0
-    """Longest gap between two tokens of a request before it fails."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_port("kv_port", self.kv_port)
-        for name in ("prefill_timeout_s", "kv_transfer_timeout_s", "token_timeout_s"):
-            _check_positive(self, name)
-
-
-def _check_port(name: str, port: int) -> None:
-    if not 0 <= port < 65536:
-        raise ValueError(f"{name} must be in [0, 65535], got {port}")
-
-
-def _check_positive(config: NodeConfig, name: str) -> None:
-    if getattr(config, name) <= 0:
-        raise ValueError(f"{name} must be > 0, got {getattr(config, name)}")
+SERVER_STOP_GRACE_S = 2.0
+"""After draining, how long the gRPC server lets calls still open finish."""
 
 
 def build_engine(
@@ -194,7 +111,107 @@ class NodeServer:
         await self.server.stop(grace_s)
 
 
-def stop_event_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
+@dataclass(frozen=True)
+class NodeParts:
+    """What the shared life has built when a role makes its servicer."""
+
+    engine_args: EngineArgs
+    model: str
+    """The served model name (reported to the gateway, in KV layouts)."""
+    node_id: str
+    engine_loop: EngineLoop
+    metrics: NodeMetrics
+    metrics_address: str
+    """host:port of the node's /metrics ("" = off)."""
+
+
+class NodeRole(ABC):
+    """What a role adds to the shared node life. Methods run on the node's event loop, in the
+    order serve_node calls them: start, servicer, add_servicer, describe, then close."""
+
+    name: str
+    """"prefill" or "decode": node ids, metrics labels, log lines."""
+    service_name: str
+    """Full name of the role's gRPC service (health status, reflection)."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+
+    @abstractmethod
+    async def start(self, model: str) -> EngineKVConnector | None:
+        """Start the KV transport (before the engine exists); return the engine's KV connector
+        if the role has one."""
+
+    @abstractmethod
+    def servicer(self, parts: NodeParts) -> NodeService:
+        """The role's servicer over the node's engine loop."""
+
+    @abstractmethod
+    def add_servicer(self, servicer: NodeService, server: grpc.aio.Server) -> None:
+        """Register servicer with the gRPC server (the generated add_*Servicer_to_server)."""
+
+    def describe(self) -> str:
+        """Extra words for the 'serving' log line."""
+        return ""
+
+    @abstractmethod
+    async def close(self) -> None:
+        """Stop the KV transport (the engine thread has stopped). Must not raise or hang."""
+
+
+async def serve_node(role: NodeRole, engine_args: EngineArgs) -> None:
+    """A node's whole life; returns after SIGTERM/SIGINT once it has drained and cleaned up."""
+    config = role.config
+    loop = asyncio.get_running_loop()
+    stop = _stop_event_on_signals(loop)
+    model = served_model_name(config, engine_args)
+    this_node = node_id(config, role.name)
+    tracing.setup(role.name, this_node)
+    metrics_server: MetricsServer | None = None
+    try:
+        connector = await role.start(model)
+        engine = build_engine(engine_args, config, kv_connector=connector)
+        metrics = NodeMetrics(engine, role.name, model, this_node)
+        metrics_server = start_metrics_server(metrics.registry, config)
+        engine_loop = EngineLoop(engine, loop)
+        parts = NodeParts(
+            engine_args,
+            model,
+            this_node,
+            engine_loop,
+            metrics,
+            metrics_server.address if metrics_server else "",
+        )
+        servicer = role.servicer(parts)
+        server = NodeServer(config.host, config.port, [role.service_name])
+        role.add_servicer(servicer, server.server)
+        freeze_startup_objects()
+        engine_loop.start()
+        try:
+            await server.start()
+            logger.info(
+                "%s node %s serving %s on %s%s",
+                role.name,
+                this_node,
+                model,
+                server.address,
+                role.describe(),
+            )
+            await stop.wait()
+            await _drain(servicer, server, engine_loop, config.drain_timeout_s)
+        finally:
+            servicer.abort_all()
+            await server.stop(SERVER_STOP_GRACE_S)
+            engine_loop.stop()
+    finally:
+        await role.close()
+        if metrics_server is not None:
+            metrics_server.stop()
+        tracing.shutdown()  # flushes this node's last spans
+        logger.info("%s node stopped", role.name)
+
+
+def _stop_event_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     """An event set by SIGTERM or SIGINT (the node then drains and exits)."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -202,13 +219,17 @@ def stop_event_on_signals(loop: asyncio.AbstractEventLoop) -> asyncio.Event:
     return stop
 
 
-async def drain(
-    loop: EngineLoop, timeout_s: float, abort_all: Callable[[], None], label: str
+async def _drain(
+    servicer: NodeService, server: NodeServer, engine_loop: EngineLoop, timeout_s: float
 ) -> None:
-    """Wait for in-flight requests to finish (bounded), then abort what is left."""
+    """Refuse new requests, report NOT_SERVING, wait for in-flight requests to finish
+    (bounded by timeout_s), then abort what is left."""
+    logger.info("draining")
+    servicer.accepting = False
+    await server.set_serving(False)
     deadline = asyncio.get_running_loop().time() + timeout_s
-    while loop.num_open_streams and asyncio.get_running_loop().time() < deadline:
+    while engine_loop.num_open_streams and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.05)
-    if loop.num_open_streams:
-        logger.warning("%s: aborting %d requests still running", label, loop.num_open_streams)
-        abort_all()
+    if engine_loop.num_open_streams:
+        logger.warning("aborting %d requests still running", engine_loop.num_open_streams)
+        servicer.abort_all()

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.common.node import NodeConfig
+from pdserve.common.node_config import NodeConfig
 from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_argv, flag_argv
 from pdserve.gateway.main import add_gateway_config_flags
 

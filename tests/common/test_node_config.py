@@ -7,7 +7,8 @@ import argparse
 
 import pytest
 
-from pdserve.common.node import DecodeNodeConfig, NodeConfig, PrefillNodeConfig, build_engine
+from pdserve.common.node import build_engine
+from pdserve.common.node_config import DecodeNodeConfig, NodeConfig, PrefillNodeConfig
 from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.config import CacheConfig, SchedulerConfig
 

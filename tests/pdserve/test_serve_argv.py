@@ -10,7 +10,7 @@ import pytest
 
 from pdserve import serve
 from pdserve.cli import build_parser
-from pdserve.common.node import DecodeNodeConfig, PrefillNodeConfig
+from pdserve.common.node_config import DecodeNodeConfig, PrefillNodeConfig
 from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.gateway.config import GatewayConfig

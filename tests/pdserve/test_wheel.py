@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import site
 import subprocess
@@ -29,9 +30,18 @@ SERVE_DEADLINE_S = 240.0
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built from a copy of the working tree's files (setuptools builds in the source tree)."""
+    source = tmp_path_factory.mktemp("source")
+    listed = subprocess.check_output(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT
+    )
+    for name in filter(None, listed.decode().split("\0")):
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
     out = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
-    subprocess.run([*cmd, "-w", str(out), str(ROOT)], check=True, timeout=300)
+    subprocess.run([*cmd, "-w", str(out), str(source)], check=True, timeout=300)
     (built,) = out.glob("pdserve-*.whl")
     return built
 
