@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.engine.request import RequestStatus, SamplingParams, TokenLogprobs
 from pdserve.kvtransfer.wire import LayoutSignature
 from pdserve.v1 import common_pb2, node_pb2
@@ -68,22 +70,11 @@ def finish_reason_to_proto(status: RequestStatus) -> int:
 
 
 def layout_to_proto(layout: LayoutSignature) -> node_pb2.KVLayout:
-    return node_pb2.KVLayout(
-        model=layout.model,
-        dtype=layout.dtype,
-        num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads,
-        head_dim=layout.head_dim,
-        block_size=layout.block_size,
-    )
+    return node_pb2.KVLayout(**dataclasses.asdict(layout))
 
 
 def layout_from_proto(msg: node_pb2.KVLayout) -> LayoutSignature:
+    """The proto's fields are named like LayoutSignature's (a test keeps them so)."""
     return LayoutSignature(
-        model=msg.model,
-        dtype=msg.dtype,
-        num_layers=msg.num_layers,
-        num_kv_heads=msg.num_kv_heads,
-        head_dim=msg.head_dim,
-        block_size=msg.block_size,
+        **{f.name: getattr(msg, f.name) for f in dataclasses.fields(LayoutSignature)}
     )

@@ -99,21 +99,14 @@ def _log_level(args: argparse.Namespace) -> str:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    plain = {name: getattr(args, name) for name in CONFIG_FLAGS}
     return GatewayConfig(
         model=args.model,
         served_model_name=args.served_model_name or args.model,
         decode_nodes=parse_address_list(args.decode_nodes),
         prefill_nodes=parse_address_list(args.prefill_nodes),
-        host=args.host,
-        port=args.port,
-        grpc_port=args.grpc_port or None,
-        max_model_len=args.max_model_len,
-        max_num_requests=args.max_num_requests,
-        request_timeout_s=args.request_timeout_s,
-        dns_refresh_s=args.dns_refresh_s,
-        drain_timeout_s=args.drain_timeout_s,
-        keep_alive_timeout_s=args.keep_alive_timeout_s,
         log_level=_log_level(args),
+        **plain | {"grpc_port": args.grpc_port or None},
     )
 
 
