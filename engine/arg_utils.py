@@ -165,6 +165,7 @@ class EngineArgs:
     are the config dataclasses'; to_configs() builds (and so validates) them."""
 
     model: str
+    tokenizer: str | None = ModelConfig.tokenizer
     dtype: str = ModelConfig.dtype
     max_model_len: int | None = ModelConfig.max_model_len
     seed: int = ModelConfig.seed
@@ -222,6 +223,7 @@ class EngineArgs:
         return EngineConfigs(
             ModelConfig(
                 model=self.model,
+                tokenizer=self.tokenizer,
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 seed=self.seed,

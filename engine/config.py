@@ -19,7 +19,9 @@ class ModelConfig:
     """Which model to run and how."""
 
     model: str
-    """Path of a Hugging Face-format model directory."""
+    """A Hugging Face-format model directory, or a GGUF file (or a directory holding one)."""
+    tokenizer: str | None = None
+    """Tokenizer directory (or GGUF file) to use instead of the model's."""
     dtype: str = "auto"
     """Weights and KV dtype: "float32", "bfloat16" or "auto" (the checkpoint's, float16 -> bfloat16)."""
     max_model_len: int | None = None

@@ -89,7 +89,7 @@ class LLMEngine:
         model, arch = load_model(model_config.model, model_config.dtype, model_config.max_model_len)
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype
-        self.tokenizer = Tokenizer.from_pretrained(model_config.model)
+        self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer or model_config.model)
         self.max_model_len = self._max_model_len(arch)
         self.num_blocks = self._num_blocks(arch)
         tokenizer_eos = self.tokenizer.eos_token_id

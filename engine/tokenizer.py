@@ -133,10 +133,15 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, model_dir: str) -> Tokenizer:
         """Load tokenizer.json + tokenizer_config.json (+ special_tokens_map.json,
-        chat_template.jinja) from model_dir."""
+        chat_template.jinja) from model_dir (a GGUF file: from its converted directory)."""
+        from pdserve.engine.models import gguf  # imports nothing heavy until it converts
+
+        model_dir = gguf.model_dir(model_dir)
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
-            raise ValueError(f"{model_dir!r} has no tokenizer.json")
+            raise ValueError(
+                gguf.tokenizer_missing_message(model_dir) or f"{model_dir!r} has no tokenizer.json"
+            )
         backend = HFTokenizer.from_file(path)
         config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         special = _special_tokens(

