@@ -188,6 +188,16 @@ class Tokenizer:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return clean_up_tokenization(text) if self._clean_up_spaces else text
 
+    def set_chat_template(self, template: str) -> None:
+        """Use template instead of the model's (vLLM's --chat-template); ValueError if it does
+        not compile."""
+        try:
+            compiled = _compile_chat_template(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"chat template does not compile: {e} (line {e.lineno})") from e
+        self.chat_template = template
+        self._compiled_template = compiled
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
     ) -> str:
@@ -203,6 +213,17 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             **variables,
         )
+
+
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file holding a Jinja template, or the template itself (a value
+    with a Jinja delimiter or a newline). ValueError for a file that does not exist."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(marker in value for marker in ("{{", "{%", "\n")):
+        return value
+    raise ValueError(f"chat template file {value!r} does not exist")
 
 
 class IncrementalDetokenizer:

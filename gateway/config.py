@@ -28,6 +28,8 @@ class GatewayConfig:
     """Prefill node entries, as decode_nodes; may be empty (decode nodes prefill locally)."""
     tokenizer: str | None = None
     """Tokenizer directory (or GGUF file) to use instead of the model's."""
+    chat_template: str | None = None
+    """A Jinja chat template file, or the template itself, to use instead of the model's."""
     host: str = "127.0.0.1"
     """Interface the REST and gRPC servers listen on."""
     port: int = 8000

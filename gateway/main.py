@@ -23,7 +23,7 @@ import uvicorn
 from pdserve.common import tracing
 from pdserve.engine.arg_utils import add_config_flags, config_field_docs
 from pdserve.engine.platform import freeze_startup_objects
-from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tokenizer import Tokenizer, read_chat_template
 from pdserve.gateway.admission import Admission
 from pdserve.gateway.config import GatewayConfig, parse_address_list
 from pdserve.gateway.context import GatewayContext
@@ -43,6 +43,7 @@ _SERVER_STOP_GRACE_S = 1
 
 CONFIG_FLAGS = (
     "tokenizer",
+    "chat_template",
     "host",
     "port",
     "grpc_port",
@@ -175,6 +176,8 @@ async def serve(
     """Run the gateway until stop is set, then drain and shut down. resolver: how discovery
     resolves DNS names among the node entries."""
     tokenizer = Tokenizer.from_pretrained(config.tokenizer or config.model)
+    if config.chat_template:
+        tokenizer.set_chat_template(read_chat_template(config.chat_template))
     # Empty until discovery fills it from the entries (and keeps it up to date).
     registry = NodeRegistry((), (), config.poll_interval_s, config.poll_timeout_s)
     discovery = NodeDiscovery(

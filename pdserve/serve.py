@@ -35,12 +35,16 @@ _NODE_FLAGS = ("served_model_name", "num_threads", "kv_transport")
 """NodeConfig fields that are flags of `serve` too, passed on to every node."""
 _GATEWAY_FLAGS = ("host", "port", "grpc_port", "max_num_requests")
 """GatewayConfig fields that are flags of `serve` too, passed on to the gateway."""
+_GATEWAY_OPTIONAL_FLAGS = ("chat_template",)
+"""GatewayConfig fields that are flags of `serve` too, passed on only when set."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, decode=True)
     add_config_flags(p.add_argument_group("nodes"), NodeConfig, _NODE_FLAGS)
-    add_gateway_config_flags(p.add_argument_group("gateway"), _GATEWAY_FLAGS)
+    add_gateway_config_flags(
+        p.add_argument_group("gateway"), _GATEWAY_FLAGS + _GATEWAY_OPTIONAL_FLAGS
+    )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill node processes (0 = none)")
     p.add_argument("--num-decode", type=int, default=1, help="decode node processes (>= 1)")
     p.add_argument(
@@ -153,8 +157,9 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
         argv += flag_argv("served_model_name", args.served_model_name)
     if args.max_model_len:
         argv += flag_argv("max_model_len", args.max_model_len)
-    if args.tokenizer:
-        argv += flag_argv("tokenizer", args.tokenizer)
+    for name in ("tokenizer", "chat_template"):
+        if getattr(args, name):
+            argv += flag_argv(name, getattr(args, name))
     return argv + args.gateway_arg
 
 

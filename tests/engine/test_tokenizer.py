@@ -159,3 +159,14 @@ def test_incremental_detokenizer_flushes_incomplete_character(pair: Callable) ->
 def test_missing_tokenizer_json(tmp_path) -> None:
     with pytest.raises(ValueError, match="tokenizer.json"):
         Tokenizer.from_pretrained(str(tmp_path))
+
+
+def test_read_chat_template_takes_a_file_or_the_template(tmp_path) -> None:
+    from pdserve.engine.tokenizer import read_chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0]['content'] }}")
+    assert read_chat_template(str(path)) == "{{ messages[0]['content'] }}"
+    assert read_chat_template("{% for m in messages %}x{% endfor %}").startswith("{% for")
+    with pytest.raises(ValueError, match="does not exist"):
+        read_chat_template(str(tmp_path / "missing.jinja"))

@@ -285,3 +285,27 @@ def test_prefill_candidates_follow_the_routed_prefix(make_cluster: StartCluster)
     time.sleep(0.3)
     assert candidates_for(shared + [1, 2, 3]) == [p1, p0]  # but p1 holds the prefix
     assert candidates_for(list(range(300, 340))) == [p0, p1]  # a new prompt goes by load
+
+
+def test_chat_template_flag_replaces_the_models(
+    make_cluster: StartCluster, tokenizer: Tokenizer, tmp_path
+) -> None:
+    """vLLM's --chat-template: a file (or the template itself); a template that raises is a
+    400 carrying its message."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system messages here') }}{% endif %}"
+        "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    )
+    cluster = make_cluster(chat_template=str(template))
+    messages = [{"role": "user", "content": "hello there"}]
+    reply = client(cluster).chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2
+    )
+    expected = tokenizer.encode("[user] hello there\n", add_special_tokens=False)
+    assert reply.usage.prompt_tokens == len(expected)
+    with pytest.raises(openai.BadRequestError, match="no system messages here"):
+        client(cluster).chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "system", "content": "x"}, *messages], max_tokens=2
+        )
