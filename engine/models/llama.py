@@ -7,13 +7,17 @@ embeddings, RoPE scaling (linear, llama3). q/k/v and gate/up are fused into one 
 
 The batch is flattened: every tensor is ``[num_tokens, ...]`` with no padding, and attention
 goes through ``engine.attention.paged_attention`` with the step's ``AttentionMetadata``.
+
+``CausalLM`` is what the loader and the model runner see of a model; other families
+(models/gemma3.py) build on it and on the layers here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -167,12 +171,11 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """[head_dim / 2] float32 inverse frequencies, scaled like transformers' rope types."""
-    dim = arch.head_dim
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv_freq = 1.0 / (arch.rope_theta**exponents)
-    scaling = arch.rope_scaling
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """[head_dim / 2] float32 inverse frequencies of RoPE base theta, scaled like transformers'
+    rope types (scaling: ModelArch.rope_scaling's form)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     if scaling["rope_type"] == "linear":
@@ -194,10 +197,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_cos_sin(arch: ModelArch, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables [max_position_embeddings, head_dim / 2], computed in float32."""
-    positions = torch.arange(arch.max_position_embeddings, dtype=torch.float32)
-    freqs = torch.outer(positions, rope_inv_freq(arch))
+def rope_cos_sin(
+    inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables [max_positions, head_dim / 2], computed in float32."""
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
@@ -209,6 +214,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    """Self-attention over the paged KV cache: fused q/k/v, optional per-head q/k norm, RoPE."""
+
+    norm_class: ClassVar[Callable[[int, float, torch.dtype], nn.Module]] = RMSNorm
+    """The q/k norm (Gemma's differs)."""
+
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -222,9 +232,12 @@ class Attention(nn.Module):
             arch.hidden_size, (q_size, kv_size, kv_size), arch.attention_bias, dtype
         )
         self.o_proj = Linear(q_size, (arch.hidden_size,), arch.o_proj_bias, dtype)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        norm = self.norm_class
+        self.q_norm = norm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
+        self.k_norm = norm(arch.head_dim, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.scale = arch.head_dim**-0.5
+        self.window: int | None = None
+        """Sliding window of this layer (engine/attention.py); None: the whole context."""
 
     def forward(
         self,
@@ -245,7 +258,7 @@ class Attention(nn.Module):
             _fused.rotary_embedding(q, k, cos, sin)  # in place, inside the fresh qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -302,27 +315,28 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
 
-class LlamaForCausalLM(nn.Module):
-    """A Llama-family decoder. Parameter names are the checkpoint's, except the fused
-    ``qkv_proj`` and ``gate_up_proj``."""
+def make_lm_head(arch: ModelArch, dtype: torch.dtype) -> Linear | None:
+    """The output projection; None with tied embeddings (the embedding matrix serves)."""
+    if arch.tie_word_embeddings:
+        return None
+    return Linear(arch.hidden_size, (arch.vocab_size,), False, dtype)
 
-    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.arch = arch
-        self.dtype = dtype
-        self.model = LlamaModel(arch, dtype)
-        self.lm_head = (
-            None
-            if arch.tie_word_embeddings
-            else Linear(arch.hidden_size, (arch.vocab_size,), False, dtype)
-        )
-        cos, sin = rope_cos_sin(arch, dtype)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's KV cache (layout: engine/attention.py)."""
-        return (num_blocks, 2, self.arch.num_kv_heads, block_size, self.arch.head_dim)
+class CausalLM(nn.Module):
+    """A decoder over the paged KV cache, as the loader and the model runner use it. Subclasses
+    build ``model.embed_tokens``, ``model.layers`` and ``lm_head`` (None when tied) and
+    implement forward. Parameter names are the checkpoint's, except the fused ``qkv_proj`` and
+    ``gate_up_proj``."""
+
+    applies_sliding_window: ClassVar[bool] = False
+    """Whether forward limits attention to arch.sliding_window where the config asks for it;
+    the loader refuses a window shorter than the max length for classes that do not."""
+
+    arch: ModelArch
+    dtype: torch.dtype
+    model: nn.Module
+    lm_head: Linear | None
+    _packed_tied_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -333,18 +347,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [T, hidden] of the flattened batch input_ids [T] at
         positions [T]; writes each layer's new K/V into kv_caches at meta.slot_mapping."""
-        num_tokens = input_ids.shape[0]
-        # padding rows: token 0 at position 0, no K/V written (paged_attention)
-        dtype = self.model.embed_tokens.weight.dtype
-        input_ids, positions = _pad_rows(input_ids, dtype), _pad_rows(positions, dtype)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        residual = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.model.norm(x)[:num_tokens]
-        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]
+        raise NotImplementedError
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's KV cache (layout: engine/attention.py)."""
+        return (num_blocks, 2, self.arch.num_kv_heads, block_size, self.arch.head_dim)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits."""
@@ -354,8 +361,6 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden)[:n].float()
         weight = self.model.embed_tokens.weight
         return packed_linear(hidden, weight, self._packed_tied_head, None)[:n].float()
-
-    _packed_tied_head: torch.Tensor | None = None
 
     def pack_weights(self) -> None:
         """Reorder every projection's weight for oneDNN (after loading; CPU only)."""
@@ -392,3 +397,38 @@ class LlamaForCausalLM(nn.Module):
         offset = sum(module.shard_sizes[:index])
         param = getattr(module, leaf)
         param.narrow(0, offset, module.shard_sizes[index]).copy_(tensor)
+
+
+class LlamaForCausalLM(CausalLM):
+    """A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+
+    def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.arch = arch
+        self.dtype = dtype
+        self.model = LlamaModel(arch, dtype)
+        self.lm_head = make_lm_head(arch, dtype)
+        inv_freq = rope_inv_freq(arch.head_dim, arch.rope_theta, arch.rope_scaling)
+        cos, sin = rope_cos_sin(inv_freq, arch.max_position_embeddings, dtype)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = input_ids.shape[0]
+        # padding rows: token 0 at position 0, no K/V written (paged_attention)
+        dtype = self.model.embed_tokens.weight.dtype
+        input_ids, positions = _pad_rows(input_ids, dtype), _pad_rows(positions, dtype)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # no layers
+            return self.model.norm(x)[:num_tokens]
+        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]

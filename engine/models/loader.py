@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from pdserve.engine.config import SUPPORTED_DTYPES
 from pdserve.engine.models import gguf
-from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -32,13 +32,26 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 _DEFAULT_MISTRAL_SLIDING_WINDOW = 4096  # transformers' MistralConfig default when the key is absent
+# Gemma3TextConfig's defaults where config.json may omit the key
+_GEMMA3_DEFAULTS = {
+    "head_dim": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+}
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The shape and numerics of a Llama-family checkpoint, as read from its config files."""
+    """The shape and numerics of a checkpoint (Llama family, Gemma 3), as read from its config
+    files."""
 
     architecture: str
     """HF architectures[0], e.g. "Qwen2ForCausalLM"."""
@@ -47,7 +60,7 @@ class ModelArch:
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the SiLU MLP."""
+    """Width of the gated MLP."""
     num_layers: int
     """Decoder layers."""
     num_heads: int
@@ -59,9 +72,12 @@ class ModelArch:
     rms_norm_eps: float
     """Epsilon of every RMSNorm."""
     rope_theta: float
-    """RoPE base."""
+    """RoPE base (of the full-attention layers, where they differ)."""
     rope_scaling: dict[str, Any] | None
-    """None, or {"rope_type": "linear"|"llama3", ...} with HF's keys."""
+    """None, or {"rope_type": "linear"|"llama3", ...} with HF's keys (full-attention layers)."""
+    local_rope_theta: float | None
+    """RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq, no scaling);
+    None: every layer uses rope_theta and rope_scaling."""
     tie_word_embeddings: bool
     """lm_head shares the embedding matrix."""
     attention_bias: bool
@@ -71,11 +87,18 @@ class ModelArch:
     mlp_bias: bool
     """gate/up/down projections have a bias (Llama's mlp_bias)."""
     qk_norm: bool
-    """Per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    """Per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)."""
+    query_pre_attn_scalar: float | None
+    """Attention scores are scaled by its inverse square root (Gemma 3); None: head_dim's."""
+    final_logit_softcapping: float | None
+    """Logits become c * tanh(logits / c) with this c (Gemma); None: no capping."""
     max_position_embeddings: int
     """Longest sequence the model supports."""
     sliding_window: int | None
     """Attention window from the config (None: full attention)."""
+    layer_sliding: tuple[bool, ...]
+    """Per layer, whether its attention is limited to sliding_window (Gemma 3's layer_types);
+    empty for the Llama family, whose window (if any) the engine does not apply."""
     eos_token_ids: tuple[int, ...]
     """generation_config.json's eos ids first, then config.json's."""
     bos_token_id: int | None
@@ -98,8 +121,32 @@ def _as_ids(value: Any) -> list[int]:
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) from transformers 4's rope_theta/rope_scaling or 5's
     rope_parameters; scaling is None for plain RoPE."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    return _rope_params(params, cfg.get("rope_theta", 10000.0), cfg)
+
+
+def _gemma3_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling, local_rope_theta) of a Gemma 3 config: transformers 5's
+    rope_parameters per layer type, or 4's rope_theta / rope_scaling (global layers) and
+    rope_local_base_freq."""
+    per_type = cfg.get("rope_parameters") or {}
+    global_params = per_type.get("full_attention") or cfg.get("rope_scaling") or {}
+    local_params = per_type.get("sliding_attention") or {}
+    theta, scaling = _rope_params(global_params, _gemma3(cfg, "rope_theta"), cfg)
+    local_theta, local_scaling = _rope_params(
+        local_params, _gemma3(cfg, "rope_local_base_freq"), cfg
+    )
+    if local_scaling is not None:
+        raise ValueError(f"unsupported RoPE scaling of the sliding-window layers: {local_params}")
+    return theta, scaling, local_theta
+
+
+def _rope_params(
+    params: dict[str, Any], default_theta: float, cfg: dict[str, Any]
+) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from one rope_parameters / rope_scaling dict."""
+    params = dict(params)
+    theta = float(params.pop("rope_theta", default_theta))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
     if rope_type == "default":
         return theta, None
@@ -112,8 +159,41 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **params}
 
 
+def _gemma3(cfg: dict[str, Any], key: str) -> Any:
+    """A Gemma 3 config value, with Gemma3TextConfig's default where the key is absent."""
+    return cfg.get(key, _GEMMA3_DEFAULTS[key])
+
+
+def _check_gemma3(cfg: dict[str, Any]) -> None:
+    """ValueError for what the engine does not implement of a Gemma 3 config."""
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("bidirectional attention (EmbeddingGemma) is not supported")
+    if cfg.get("attn_logit_softcapping") is not None:
+        # transformers 5's default (sdpa) attention refuses it too
+        raise ValueError("attention logit softcapping (attn_logit_softcapping) is not supported")
+    activation = _gemma3(cfg, "hidden_activation")
+    if activation != "gelu_pytorch_tanh":  # the GeGLU of models/gemma3.py
+        raise ValueError(f"unsupported Gemma 3 activation {activation!r}")
+
+
+def _layer_sliding(cfg: dict[str, Any], architecture: str, num_layers: int) -> tuple[bool, ...]:
+    """Gemma 3's sliding-window layers: its layer_types, or for older configs every layer but
+    each sliding_window_pattern-th. Empty for the Llama family."""
+    if architecture != "Gemma3ForCausalLM":
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(_gemma3(cfg, "sliding_window_pattern"))
+        return tuple(bool((i + 1) % pattern) for i in range(num_layers))
+    if len(types) != num_layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"unsupported layer_types {types} for {num_layers} layers")
+    return tuple(t == "sliding_attention" for t in types)
+
+
 def _sliding_window(cfg: dict[str, Any], architecture: str, num_layers: int) -> int | None:
     """The window transformers would apply, mirroring each config class's rules."""
+    if architecture == "Gemma3ForCausalLM":
+        return _gemma3(cfg, "sliding_window")
     if architecture == "MistralForCausalLM":
         return cfg.get("sliding_window", _DEFAULT_MISTRAL_SLIDING_WINDOW)
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
@@ -143,10 +223,16 @@ def parse_model_arch(model_dir: str) -> ModelArch:
 
     num_heads = int(cfg["num_attention_heads"])
     num_layers = int(cfg["num_hidden_layers"])
-    default_head_dim = 128 if architecture == "Qwen3ForCausalLM" else None
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    default_head_dim = {"Qwen3ForCausalLM": 128, "Gemma3ForCausalLM": 256}.get(architecture)
     head_dim = cfg.get("head_dim", default_head_dim) or cfg["hidden_size"] // num_heads
     attention_bias = bool(cfg.get("attention_bias", False))
-    rope_theta, rope_scaling = _parse_rope(cfg)
+    if gemma3:
+        _check_gemma3(cfg)
+        rope_theta, rope_scaling, local_rope_theta = _gemma3_rope(cfg)
+    else:
+        (rope_theta, rope_scaling), local_rope_theta = _parse_rope(cfg), None
+    tie_default = _GEMMA3_DEFAULTS["tie_word_embeddings"] if gemma3 else False
     eos = list(dict.fromkeys(_as_ids(gen.get("eos_token_id")) + _as_ids(cfg.get("eos_token_id"))))
     bos = cfg.get("bos_token_id", gen.get("bos_token_id"))
     dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
@@ -164,13 +250,17 @@ def parse_model_arch(model_dir: str) -> ModelArch:
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        local_rope_theta=local_rope_theta,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tie_default)),
         attention_bias=attention_bias or architecture == "Qwen2ForCausalLM",
         o_proj_bias=attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM"),
         mlp_bias=bool(cfg.get("mlp_bias", False)) and architecture == "LlamaForCausalLM",
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+        query_pre_attn_scalar=float(_gemma3(cfg, "query_pre_attn_scalar")) if gemma3 else None,
+        final_logit_softcapping=cfg.get("final_logit_softcapping") if gemma3 else None,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         sliding_window=_sliding_window(cfg, architecture, num_layers),
+        layer_sliding=_layer_sliding(cfg, architecture, num_layers),
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         torch_dtype=_DTYPES[dtype_name],
@@ -186,7 +276,13 @@ def resolve_dtype(dtype: str, arch: ModelArch) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _check_sliding_window(arch: ModelArch, max_model_len: int | None) -> None:
+def _check_sliding_window(
+    arch: ModelArch, max_model_len: int | None, model_class: type[CausalLM]
+) -> None:
+    """ValueError for a window shorter than the max length that the model class would not
+    apply (Mistral, Qwen2 with use_sliding_window): its outputs would silently differ."""
+    if model_class.applies_sliding_window:
+        return
     limit = max_model_len or arch.max_position_embeddings
     if arch.sliding_window is not None and arch.sliding_window < limit:
         raise ValueError(
@@ -242,16 +338,17 @@ def _iter_checked_weights(
 
 def load_model(
     model_dir: str, dtype: str = "auto", max_model_len: int | None = None
-) -> tuple[LlamaForCausalLM, ModelArch]:
+) -> tuple[CausalLM, ModelArch]:
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
     with model.safetensors.index.json). Raises ValueError for anything missing or mismatched."""
     start = time.perf_counter()
     model_dir = gguf.model_dir(model_dir)
     arch = parse_model_arch(model_dir)
-    _check_sliding_window(arch, max_model_len)
+    model_class = get_model_class(arch.architecture)
+    _check_sliding_window(arch, max_model_len, model_class)
     torch_dtype = resolve_dtype(dtype, arch)
     files = _weight_files(model_dir)
-    model = get_model_class(arch.architecture)(arch, torch_dtype)
+    model = model_class(arch, torch_dtype)
     for name, tensor in _iter_checked_weights(files, model.checkpoint_shapes(), model_dir):
         model.load_weight(name, tensor)
     model.eval()

@@ -7,6 +7,10 @@
 // seq_lens [num_requests] int64 (context length including the new token),
 // q / out [num_requests, num_q_heads, head_dim]. The query heads of one kv head are handled
 // together (GQA), so each K/V row is read once per kv head.
+//
+// Sliding-window layers (window > 0): request r attends to positions
+// [first_key(seq_len, window), seq_len), i.e. the query at position p = seq_len - 1 sees keys
+// in (p - window, p]; blocks before the window are not read at all.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -53,18 +57,24 @@ inline void to_float_rows(float* dst, const T* src, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
 }
 
+// The first key position a decode at position seq_len - 1 attends to (window 0: all of them).
+inline int64_t first_key(int64_t seq_len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+}
+
 template <typename T, int kD>
-void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_len, T* out,
-                int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t block_size,
+void decode_one(const T* q, const T* cache, const int64_t* table, int64_t first, int64_t seq_len,
+                T* out, int64_t kv_head, int64_t num_kv_heads, int64_t group, int64_t block_size,
                 int64_t head_dim_runtime, float scale, std::vector<float>& work) {
-  // q/out point at the first query head of this kv head's group.
+  // q/out point at the first query head of this kv head's group; keys [first, seq_len).
   const int64_t head_dim = kD > 0 ? kD : head_dim_runtime;
   const int64_t qd = group * head_dim;
-  work.resize(2 * qd + group * seq_len + block_size * head_dim);
+  const int64_t len = seq_len - first;
+  work.resize(2 * qd + group * len + block_size * head_dim);
   float* qf = work.data();
   float* acc = qf + qd;
-  float* scores = acc + qd;  // [group, seq_len]
-  float* rows = scores + group * seq_len;  // one block of K or V rows, as float
+  float* scores = acc + qd;  // [group, len]: scores[g, p - first]
+  float* rows = scores + group * len;  // one block of K or V rows, as float
   for (int64_t i = 0; i < qd; ++i) {
     qf[i] = to_float(q[i]) * scale;
     acc[i] = 0.f;
@@ -72,36 +82,47 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t seq_le
   const int64_t kv_stride = num_kv_heads * block_size * head_dim;  // K -> V of one block
   const int64_t block_stride = 2 * kv_stride;
   const int64_t head_offset = kv_head * block_size * head_dim;
-  // scores[g, p] = q_g . k_p, block by block: a block's K rows of this head are contiguous.
-  for (int64_t start = 0; start < seq_len; start += block_size) {
-    const int64_t n = std::min(block_size, seq_len - start);
-    to_float_rows(rows, cache + table[start / block_size] * block_stride + head_offset, n * head_dim);
+  // scores[g, p] = q_g . k_p, block by block: a block's K rows of this head are contiguous
+  // (the first block may be entered part-way, at the window's start).
+  for (int64_t start = first; start < seq_len;) {
+    const int64_t in_block = start % block_size;
+    const int64_t n = std::min(block_size - in_block, seq_len - start);
+    to_float_rows(rows,
+                  cache + table[start / block_size] * block_stride + head_offset + in_block * head_dim,
+                  n * head_dim);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < group; ++g)
-        scores[g * seq_len + start + j] = dot<kD>(qf + g * head_dim, rows + j * head_dim, head_dim);
+        scores[g * len + start - first + j] =
+            dot<kD>(qf + g * head_dim, rows + j * head_dim, head_dim);
+    start += n;
   }
   // softmax over p, per query head
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * seq_len;
+    float* s = scores + g * len;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < seq_len; ++p) m = std::max(m, s[p]);
+    for (int64_t p = 0; p < len; ++p) m = std::max(m, s[p]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < seq_len; ++p) {
+    for (int64_t p = 0; p < len; ++p) {
       s[p] = expf(s[p] - m);  // vectorised through libmvec (-ffast-math)
       sum += s[p];
     }
     const float inv = 1.f / sum;
-    for (int64_t p = 0; p < seq_len; ++p) s[p] *= inv;
+    for (int64_t p = 0; p < len; ++p) s[p] *= inv;
   }
   // acc[g] = sum_p scores[g, p] * v_p
-  for (int64_t start = 0; start < seq_len; start += block_size) {
-    const int64_t n = std::min(block_size, seq_len - start);
-    to_float_rows(rows, cache + table[start / block_size] * block_stride + kv_stride + head_offset,
+  for (int64_t start = first; start < seq_len;) {
+    const int64_t in_block = start % block_size;
+    const int64_t n = std::min(block_size - in_block, seq_len - start);
+    to_float_rows(rows,
+                  cache + table[start / block_size] * block_stride + kv_stride + head_offset +
+                      in_block * head_dim,
                   n * head_dim);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t g = 0; g < group; ++g)
-        axpy<kD>(acc + g * head_dim, scores[g * seq_len + start + j], rows + j * head_dim, head_dim);
+        axpy<kD>(acc + g * head_dim, scores[g * len + start - first + j], rows + j * head_dim,
+                 head_dim);
+    start += n;
   }
   for (int64_t i = 0; i < qd; ++i) out[i] = static_cast<T>(acc[i]);
 }
@@ -180,8 +201,8 @@ inline void accumulate_v(float* acc, const float* w, const float* rescale, const
 // the accumulator rescaled when the max grows). (Software prefetching of the blocks ahead was
 // tried and measured no faster here.)
 template <typename T, int kD>
-void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64_t seq_len,
-                         T* out, int64_t h_begin, int64_t h_end, int64_t num_kv_heads,
+void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64_t first,
+                         int64_t seq_len, T* out, int64_t h_begin, int64_t h_end, int64_t num_kv_heads,
                          int64_t group, int64_t block_size, float scale,
                          std::vector<float>& work) {
   static_assert(kD % 16 == 0 && kD > 0, "head_dim must be a multiple of 16");
@@ -215,7 +236,7 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
       return dst;
     }
   };
-  for (int64_t start = 0; start < seq_len;) {
+  for (int64_t start = first; start < seq_len;) {  // tiles never cross a block boundary
     const int64_t b = start / block_size, in_block = start % block_size;
     const int64_t n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
@@ -337,7 +358,7 @@ constexpr int64_t kTaskOverhead = 16;
 
 template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-            const torch::Tensor& seq_lens, torch::Tensor& out, double scale) {
+            const torch::Tensor& seq_lens, torch::Tensor& out, double scale, int64_t window) {
   const int64_t num_reqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = cache.size(2), block_size = cache.size(3);
   const int64_t group = num_q_heads / num_kv_heads;
@@ -360,7 +381,10 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     const int64_t num_tasks = num_reqs * tasks_per_req;
     const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
     const std::vector<int64_t> bounds = balanced_ranges(
-        num_tasks, parts, [&](int64_t i) { return len_ptr[i / tasks_per_req] + kTaskOverhead; });
+        num_tasks, parts, [&](int64_t i) {
+          const int64_t len = len_ptr[i / tasks_per_req];
+          return len - first_key(len, window) + kTaskOverhead;
+        });
     at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
@@ -368,7 +392,8 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
         const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
         const int64_t head = h0 * group * head_dim;
         decode_heads_avx512<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
-                                   len_ptr[r], out_ptr + r * out_row + head, h0, h0 + heads_per_task,
+                                   first_key(len_ptr[r], window), len_ptr[r],
+                                   out_ptr + r * out_row + head, h0, h0 + heads_per_task,
                                    num_kv_heads, group, block_size, static_cast<float>(scale),
                                    work);
       }
@@ -382,9 +407,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t head = h * group * head_dim;
-      decode_one<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride, len_ptr[r],
-                        out_ptr + r * out_row + head, h, num_kv_heads, group, block_size, head_dim,
-                        static_cast<float>(scale), work);
+      decode_one<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
+                        first_key(len_ptr[r], window), len_ptr[r], out_ptr + r * out_row + head, h,
+                        num_kv_heads, group, block_size, head_dim, static_cast<float>(scale), work);
     }
   });
 }
@@ -392,12 +417,13 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
 template <typename T>
 void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
                      const torch::Tensor& tables, const torch::Tensor& seq_lens,
-                     torch::Tensor& out, double scale) {
+                     torch::Tensor& out, double scale, int64_t window) {
   switch (q.size(2)) {  // common head sizes get fully unrolled inner loops
-    case 64: return decode<T, 64>(q, cache, tables, seq_lens, out, scale);
-    case 128: return decode<T, 128>(q, cache, tables, seq_lens, out, scale);
-    case 32: return decode<T, 32>(q, cache, tables, seq_lens, out, scale);
-    default: return decode<T, 0>(q, cache, tables, seq_lens, out, scale);
+    case 64: return decode<T, 64>(q, cache, tables, seq_lens, out, scale, window);
+    case 128: return decode<T, 128>(q, cache, tables, seq_lens, out, scale, window);
+    case 32: return decode<T, 32>(q, cache, tables, seq_lens, out, scale, window);
+    case 256: return decode<T, 256>(q, cache, tables, seq_lens, out, scale, window);  // Gemma 3
+    default: return decode<T, 0>(q, cache, tables, seq_lens, out, scale, window);
   }
 }
 
@@ -405,9 +431,11 @@ void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
 
 // q and out: [num_requests, num_q_heads, head_dim] with packed heads (stride(1) == head_dim,
 // stride(2) == 1) and any row stride, e.g. q a view into the fused qkv projection's output and
-// out rows of the layer's attention output: no copy on either side.
+// out rows of the layer's attention output: no copy on either side. window > 0: a sliding-window
+// layer's decode, over the last `window` positions only (window 0: the whole context).
 void paged_decode_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                torch::Tensor seq_lens, double scale, torch::Tensor out) {
+                                torch::Tensor seq_lens, double scale, torch::Tensor out,
+                                int64_t window) {
   TORCH_CHECK(cache.dim() == 5 && q.dim() == 3 && out.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2),
@@ -422,20 +450,21 @@ void paged_decode_attention_out(torch::Tensor q, torch::Tensor cache, torch::Ten
   TORCH_CHECK(tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "one block table row and one seq len per request");
   TORCH_CHECK(q.size(1) % cache.size(2) == 0, "q heads must be a multiple of kv heads");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   if (q.scalar_type() == torch::kFloat32) {
-    decode_dispatch<float>(q, cache, tables, seq_lens, out, scale);
+    decode_dispatch<float>(q, cache, tables, seq_lens, out, scale, window);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    decode_dispatch<c10::BFloat16>(q, cache, tables, seq_lens, out, scale);
+    decode_dispatch<c10::BFloat16>(q, cache, tables, seq_lens, out, scale, window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
 }
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                     torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "bad ranks");
   auto out = torch::empty(q.sizes(), q.options());
-  paged_decode_attention_out(q, cache, tables, seq_lens, scale, out);
+  paged_decode_attention_out(q, cache, tables, seq_lens, scale, out, window);
   return out;
 }
 
@@ -498,9 +527,13 @@ torch::Tensor argmax_rows(torch::Tensor x);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "paged attention for single-token queries (CPU)");
+        "paged attention for single-token queries (CPU); window > 0: the last window positions",
+        py::arg("q"), py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0);
   m.def("paged_decode_attention_out", &paged_decode_attention_out,
-        "paged_decode_attention into out (q and out may be row-strided views)");
+        "paged_decode_attention into out (q and out may be row-strided views)", py::arg("q"),
+        py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0);
   m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

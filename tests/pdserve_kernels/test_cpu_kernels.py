@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import attention
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
 from pdserve.engine.models.llama import apply_rope
 from pdserve.kernels.cpu import cpu_ops
 
@@ -167,6 +167,115 @@ def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
     assert calls == [torch.Size([1, 2, 8])]
     # one key: attention returns its value for every query head
     torch.testing.assert_close(out[0], v[0].expand(2, 8))
+
+
+def windowed_meta(tables, seq_lens, block_size, max_blocks):
+    """Decode-only AttentionMetadata over the given block tables."""
+    lens = torch.tensor(seq_lens)
+    mask = (torch.arange(max_blocks * block_size)[None] < lens[:, None])[:, None, None, :]
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        num_decode_tokens=len(seq_lens),
+        decode_block_tables=tables,
+        decode_seq_lens=lens,
+        decode_mask=mask,
+        prefills=[],
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hq,hkv,d", [(4, 1, 32), (6, 2, 48), (4, 1, 256)])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_decode_kernel_sliding_window(ops, dtype, hq, hkv, d, block_size):
+    """window > 0: each request attends to its last `window` positions only (the query at p
+    sees keys in (p - window, p]), starting inside a block or on its boundary; on the AVX-512
+    path (head_dim 32, 256) and the generic one (48). The torch path's windowed bias agrees."""
+    g = torch.Generator().manual_seed(hq * 1000 + d + block_size)
+    seq_lens = [1, 5, block_size, block_size + 3, 40, 170]
+    max_blocks = -(-max(seq_lens) // block_size)
+    cache, tables = paged_cache(seq_lens, 64, hkv, block_size, d, dtype, g)
+    q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
+    lens = torch.tensor(seq_lens)
+    scale = d**-0.5
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    meta = windowed_meta(tables, seq_lens, block_size, max_blocks)
+    for window in (1, 5, 16, 40, 1000):
+        out = ops.paged_decode_attention(q, cache, tables, lens, scale, window)
+        for i, n in enumerate(seq_lens):
+            blocks = cache[tables[i, : -(-n // block_size)]]
+            keys = blocks[:, 0].transpose(1, 2).reshape(-1, hkv, d)[:n]
+            values = blocks[:, 1].transpose(1, 2).reshape(-1, hkv, d)[:n]
+            first = max(0, n - window)
+            want = dense_decode(q[i], keys[first:], values[first:], scale)
+            torch.testing.assert_close(out[i].double(), want, atol=tol, rtol=tol)
+        torch_out = attention._decode_attention(q, cache, meta, scale, window)
+        torch.testing.assert_close(out.float(), torch_out.float(), atol=tol, rtol=tol)
+    full = ops.paged_decode_attention(q, cache, tables, lens, scale)
+    assert torch.equal(ops.paged_decode_attention(q, cache, tables, lens, scale, 0), full)
+    with pytest.raises(RuntimeError, match="window"):
+        ops.paged_decode_attention(q, cache, tables, lens, scale, -1)
+
+
+def dense_windowed(q, keys, values, q_positions, window, scale):
+    """Reference attention of queries q [Tq, Hq, D] at q_positions over keys/values
+    [L, Hkv, D] (positions 0..L-1), each query seeing keys in (p - window, p]."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i, p in enumerate(q_positions):
+        first = max(0, p - window + 1)
+        out[i] = dense_decode(q[i], keys[first : p + 1], values[first : p + 1], scale)
+    return out
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_paged_attention_sliding_window(ops, monkeypatch, path, block_size):
+    """One step of a sliding-window layer: two decodes, a prefill chunk over cached context
+    longer than the window, a fresh prefill longer than the window (padded to 64 query rows)
+    and a short one; every query's output equals dense attention over its window."""
+    if path == "torch":
+        monkeypatch.setattr(attention, "_decode_kernel", None)
+    else:
+        monkeypatch.setattr(attention, "_decode_kernel", ops.paged_decode_attention_out)
+    window, hq, hkv, d = 12, 4, 2, 32
+    g = torch.Generator().manual_seed(block_size)
+    # (tokens cached before the step, tokens computed in it); decodes first
+    seqs = [(29, 1), (6, 1), (25, 20), (0, 40), (0, 5)]
+    kv = [torch.randn(2, c + n, hkv, d, generator=g) for c, n in seqs]
+    tables, next_block = [], 1
+    cache = torch.zeros(64, 2, hkv, block_size, d)
+    for (cached, n), kv_all in zip(seqs, kv, strict=True):
+        nb = -(-(cached + n) // block_size)
+        table = list(range(next_block, next_block + nb))
+        next_block += nb
+        tables.append(table)
+        for pos in range(cached):
+            slot_block, offset = table[pos // block_size], pos % block_size
+            cache[slot_block, :, :, offset] = kv_all[:, pos]
+    q_parts, k_parts, v_parts, slots, prefills, start = [], [], [], [], [], 0
+    for (cached, n), kv_all, table in zip(seqs, kv, tables, strict=True):
+        q_parts.append(torch.randn(n, hq, d, generator=g))
+        k_parts.append(kv_all[0, cached:])
+        v_parts.append(kv_all[1, cached:])
+        slots += [
+            table[p // block_size] * block_size + p % block_size for p in range(cached, cached + n)
+        ]
+        if n > 1:
+            prefills.append(PrefillSeq(start, n, cached + n, torch.tensor(table)))
+        start += n
+    decode_lens = [c + n for c, n in seqs[:2]]
+    max_blocks = max(len(t) for t in tables[:2])
+    decode_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables[:2]])
+    meta = windowed_meta(decode_tables, decode_lens, block_size, max_blocks)
+    meta.slot_mapping, meta.prefills = torch.tensor(slots), prefills
+    q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
+    out = paged_attention(q, k, v, cache, meta, d**-0.5, window)
+    start = 0
+    for (cached, n), kv_all, q_seq in zip(seqs, kv, q_parts, strict=True):
+        positions = list(range(cached, cached + n))
+        want = dense_windowed(q_seq, kv_all[0], kv_all[1], positions, window, d**-0.5)
+        torch.testing.assert_close(out[start : start + n].double(), want, atol=1e-5, rtol=1e-5)
+        start += n
 
 
 def torch_rms_norm(x, w, eps):

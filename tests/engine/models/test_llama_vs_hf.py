@@ -16,13 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine import attention
 from pdserve.engine.attention import AttentionMetadata, PrefillSeq
 from pdserve.engine.models import llama
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.loader import load_model, parse_model_arch
 from pdserve.engine.models.registry import SUPPORTED_ARCHITECTURES, get_model_class
-from pdserve.kernels.cpu import cpu_ops
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 BLOCK_SIZE = 16
@@ -136,23 +134,6 @@ def loaded(tiny_model_dir: Callable[[str], str]) -> Callable[[str], tuple[str, L
         return cache[arch]
 
     return get
-
-
-@pytest.fixture(params=["torch_ops", "cpu_kernels"])
-def layer_kernels(request):
-    """Runs a test once on the pure-torch layers and once on the compiled CPU kernels (fused
-    RMSNorm / RoPE / SiLU*up, the decode attention kernel and the K/V store), restoring the
-    previous choice."""
-    ops = None
-    if request.param == "cpu_kernels":
-        ops = cpu_ops()
-        assert ops is not None, "the CPU kernels must build on this machine (gcc + ninja)"
-    saved = llama._fused, attention._decode_kernel, attention._store_kv
-    llama.use_cpu_fused_ops(ops)
-    attention.use_cpu_attention_ops(ops)
-    yield request.param
-    llama.use_cpu_fused_ops(saved[0])
-    attention._decode_kernel, attention._store_kv = saved[1:]
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, atol: float = ATOL) -> None:
@@ -341,6 +322,7 @@ def test_error_unsupported_architecture(tiny_llama: str, tmp_path) -> None:
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "Gemma3ForCausalLM",
     }
     with pytest.raises(ValueError, match="supported"):
         get_model_class("Nope")
