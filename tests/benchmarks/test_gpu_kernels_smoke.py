@@ -1,0 +1,72 @@
+"""benchmarks/gpu_kernels.py on the CPU (Triton's interpreter, --smoke), so the script that runs
+once on a borrowed GPU cannot rot: every section runs, every correctness case passes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_kernels.py"
+
+
+def _load_script() -> ModuleType:
+    """The script as a module (imports torch only; the kernels are imported by its sections)."""
+    spec = importlib.util.spec_from_file_location("_gpu_kernels_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smoke_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("gpu_kernels") / "x.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)]
+    # ~15 s on a 2-core machine; the budget keeps a slow machine from running on
+    proc = subprocess.run(
+        [*cmd, "--budget-s", "40"], cwd=REPO, env=env, capture_output=True, text=True, timeout=50
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+@pytest.mark.timeout(90)
+def test_every_correctness_case_passes(smoke_results: dict) -> None:
+    section = smoke_results["sections"]["correctness"]
+    assert section["status"] == "ok"
+    script = _load_script()
+    expected = len(script.correctness_specs(script.SMOKE_PLAN))
+    assert len(section["rows"]) == expected == section["total"]
+    failing = [r for r in section["rows"] if not r["ok"]]
+    assert not failing, failing
+    assert {r["kernel"] for r in section["rows"]} == {"decode", "prefill", "store"}
+    assert {r["layout"] for r in section["rows"]} == {"token_major", "head_major"}
+
+
+@pytest.mark.timeout(90)
+def test_every_section_runs_and_times_every_baseline(smoke_results: dict) -> None:
+    sections = smoke_results["sections"]
+    assert list(sections) == ["environment", "correctness", "decode", "prefill", "store", "summary"]
+    assert all(s["status"] == "ok" for s in sections.values()), sections
+    for name in ("decode", "prefill", "store"):
+        rows = sections[name]["rows"]
+        assert rows
+        for row in rows:
+            errors = {k: v for k, v in row.items() if "error" in k}
+            assert not errors, (name, errors)
+    decode = sections["decode"]["rows"][0]
+    for key in ("triton_token_major", "triton_head_major", "reference", "sdpa_pregathered"):
+        assert decode[f"{key}_us"] > 0
+    assert decode["sdpa_with_gather_us"] > 0
+    assert decode["triton_vs_sdpa"] < 1e-4  # fp32
+    assert "| B | ctx |" in smoke_results["summary_markdown"]
