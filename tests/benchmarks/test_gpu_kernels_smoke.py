@@ -32,15 +32,15 @@ def smoke_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("gpu_kernels") / "x.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--smoke", "--out", str(out)]
-    # ~15 s on a 2-core machine; the budget keeps a slow machine from running on
+    # ~15 s on a 2-core machine; the budget only keeps a very slow machine from running on
     proc = subprocess.run(
-        [*cmd, "--budget-s", "40"], cwd=REPO, env=env, capture_output=True, text=True, timeout=50
+        [*cmd, "--budget-s", "120"], cwd=REPO, env=env, capture_output=True, text=True, timeout=150
     )
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_every_correctness_case_passes(smoke_results: dict) -> None:
     section = smoke_results["sections"]["correctness"]
     assert section["status"] == "ok"
@@ -53,7 +53,7 @@ def test_every_correctness_case_passes(smoke_results: dict) -> None:
     assert {r["layout"] for r in section["rows"]} == {"token_major", "head_major"}
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(180)
 def test_every_section_runs_and_times_every_baseline(smoke_results: dict) -> None:
     sections = smoke_results["sections"]
     assert list(sections) == ["environment", "correctness", "decode", "prefill", "store", "summary"]
