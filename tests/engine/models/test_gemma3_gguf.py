@@ -13,8 +13,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels.cache import cache_dir
+from tests.engine.models.greedy_vs_hf import near_ties_vs_hf
 
-NEAR_TIE_NATS = 0.02
 MAX_NEW_TOKENS = 32
 WINDOW = 512
 PARAGRAPH = (
@@ -85,47 +85,15 @@ def test_the_tokenizer_equals_transformers(gguf_path: Path, hf) -> None:
         )
 
 
-def _hf_greedy(model, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-    out = model.generate(
-        torch.tensor([prompt_ids]),
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    gaps = []
-    for logits in out.logits:
-        top2 = torch.log_softmax(logits[0].float(), -1).topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-    return tokens, gaps
-
-
 def test_greedy_fp32_equals_transformers_past_the_window(llm: LLM, hf) -> None:
     tokenizer, model = hf
     texts = list(SHORT_PROMPTS)
     texts += [long_prompt(n, " The town hall was built by") for n in (6, 9, 12)]
     texts += [long_prompt(n, "\n\nQuestion: who ruled the town?\nAnswer:") for n in (8, 11, 14)]
     prompts = [tokenizer.encode(t) for t in texts]
+    assert len(prompts) >= 20
     assert sum(len(p) > WINDOW for p in prompts) >= 5  # past the sliding window
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    near_ties, exact = [], 0
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outputs, strict=True):
-            ours = out.outputs[0].token_ids
-            theirs, gaps = _hf_greedy(model, prompt)
-            if ours == theirs:
-                exact += 1
-                continue
-            common = min(len(ours), len(theirs))
-            diverge = next((i for i in range(common) if ours[i] != theirs[i]), common)
-            assert diverge < len(gaps) and gaps[diverge] < NEAR_TIE_NATS, (
-                f"prompt of {len(prompt)} tokens: token {diverge} differs (ours "
-                f"{ours[diverge:diverge + 3]}, transformers {theirs[diverge:diverge + 3]})"
-            )
-            near_ties.append(diverge)
-    assert exact + len(near_ties) == len(prompts) >= 20
+    near_ties = near_ties_vs_hf(llm, model, prompts, MAX_NEW_TOKENS)
     assert len(near_ties) <= 2, f"{len(near_ties)} near-ties at {near_ties}"
 
 

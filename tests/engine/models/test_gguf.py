@@ -17,8 +17,8 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.models import gguf as gguf_source
 from pdserve.engine.tokenizer import Tokenizer
+from tests.engine.models.greedy_vs_hf import near_ties_vs_hf
 
-NEAR_TIE_NATS = 0.02
 MAX_NEW_TOKENS = 64
 PLAIN_PROMPTS = [
     "The capital of France is",
@@ -135,45 +135,11 @@ def _chat_ids(hf_tokenizer, prompt: str) -> list[int]:
     return hf_tokenizer.encode(text, add_special_tokens=False)
 
 
-def _hf_greedy(hf_model, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' greedy tokens, and each step's top-2 logit gap (nats)."""
-    out = hf_model.generate(
-        torch.tensor([prompt_ids]),
-        max_new_tokens=MAX_NEW_TOKENS,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=hf_model.config.eos_token_id,
-    )
-    tokens = out.sequences[0, len(prompt_ids) :].tolist()
-    gaps = []
-    for logits in out.logits:
-        top2 = torch.log_softmax(logits[0].float(), -1).topk(2).values
-        gaps.append(float(top2[0] - top2[1]))
-    return tokens, gaps
-
-
 def test_greedy_fp32_equals_transformers_gguf_load(llm: LLM, hf_model, hf_tokenizer) -> None:
     prompts = [hf_tokenizer.encode(p) for p in PLAIN_PROMPTS]
     prompts += [_chat_ids(hf_tokenizer, p) for p in CHAT_PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    near_ties, exact = [], 0
-    with torch.inference_mode():
-        for prompt, out in zip(prompts, outputs, strict=True):
-            ours = out.outputs[0].token_ids
-            theirs, gaps = _hf_greedy(hf_model, prompt)
-            if ours == theirs:
-                exact += 1
-                continue
-            common = min(len(ours), len(theirs))
-            diverge = next((i for i in range(common) if ours[i] != theirs[i]), common)
-            assert gaps[diverge] < NEAR_TIE_NATS, (
-                f"prompt {prompt[:8]}...: token {diverge} differs (ours {ours[diverge]}, "
-                f"transformers {theirs[diverge]}) with a top-2 gap of {gaps[diverge]:.4f} nats"
-            )
-            near_ties.append(diverge)
-    assert exact + len(near_ties) == len(prompts) == 20
+    assert len(prompts) == 20
+    near_ties = near_ties_vs_hf(llm, hf_model, prompts, MAX_NEW_TOKENS)
     assert len(near_ties) <= 2, f"{len(near_ties)} near-ties: {near_ties}"
 
 
