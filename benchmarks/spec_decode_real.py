@@ -1,6 +1,8 @@
 """Speculative decoding on a real model and real text: n-gram prompt lookup on an extractive
 workload ("repeat this code with one change") and on free generation, at batch 1 and beyond,
-against the same engine without speculation. Greedy, so both produce the same tokens (checked).
+against the same engine without speculation. Greedy: in float32 both produce the same tokens;
+in bfloat16 a near-tie can flip (a 1 + k token verification rounds differently), so the share
+of identical outputs is reported.
 
     .venv/bin/python benchmarks/spec_decode_real.py                       # SmolLM2-135M-Instruct GGUF
     .venv/bin/python benchmarks/spec_decode_real.py --batch-sizes 1 4 16 --rounds 3
@@ -79,7 +81,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct GGUF)")
     p.add_argument("--dtype", default="bfloat16", help="engine dtype (default: bfloat16)")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="requests at once")
+    p.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 4, 16], help="requests at once"
+    )
     p.add_argument("--rounds", type=int, default=3, help="plain/spec alternations per case")
     p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per request")
     p.add_argument("--k", type=int, default=3, help="num_speculative_tokens")
@@ -116,11 +120,17 @@ def main() -> None:
             for _ in range(args.rounds):
                 t_plain, out_plain = timed(plain, prompts, params)
                 t_spec, out_spec = timed(spec, prompts, params)
-                assert out_plain == out_spec, "greedy speculation changed the output"
                 plain_s.append(t_plain)
                 spec_s.append(t_spec)
+            # Equal in float32 (the tests assert it); in bfloat16 a 1 + k token verification
+            # rounds differently from a 1-token step, so a near-tie argmax can flip: counted.
+            same = sum(a == b for a, b in zip(out_plain, out_spec, strict=True)) / len(prompts)
             tokens = sum(len(o) for o in out_plain)
-            ratios = [a / b for a, b in zip(plain_s, spec_s, strict=True)]
+            spec_tokens = sum(len(o) for o in out_spec)
+            # tokens/s ratio per round (outputs can differ in length in bf16, see above)
+            ratios = [
+                (spec_tokens / b) / (tokens / a) for a, b in zip(plain_s, spec_s, strict=True)
+            ]
             row = {
                 "workload": workload,
                 "batch": batch,
@@ -128,19 +138,22 @@ def main() -> None:
                 "plain_s": plain_s,
                 "spec_s": spec_s,
                 "plain_tok_s": tokens / statistics.median(plain_s),
-                "spec_tok_s": tokens / statistics.median(spec_s),
+                "spec_tok_s": spec_tokens / statistics.median(spec_s),
                 "speedup_median": statistics.median(ratios),
+                "same_outputs": same,
                 "speedups": ratios,
             }
             results.append(row)
             logger.info(
-                "%s B=%d: plain %.1f tok/s, ngram %.1f tok/s, speed-up %.2fx (rounds %s)",
+                "%s B=%d: plain %.1f tok/s, ngram %.1f tok/s, speed-up %.2fx (rounds %s), "
+                "same outputs %.0f%%",
                 workload,
                 batch,
                 row["plain_tok_s"],
                 row["spec_tok_s"],
                 row["speedup_median"],
                 ", ".join(f"{r:.2f}" for r in ratios),
+                100 * same,
             )
     stats = spec.engine.spec_stats
     summary = {
@@ -152,12 +165,12 @@ def main() -> None:
         "acceptance_rate": stats.acceptance_rate if stats else None,
     }
     Path(args.out).write_text(json.dumps(summary, indent=2))
-    lines = ["| workload | batch | plain tok/s | ngram tok/s | speed-up (median of rounds) |"]
-    lines.append("|---|---:|---:|---:|---:|")
+    lines = ["| workload | batch | plain tok/s | ngram tok/s | speed-up (median) | same outputs |"]
+    lines.append("|---|---:|---:|---:|---:|---:|")
     for r in results:
         lines.append(
             f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.1f} | {r['spec_tok_s']:.1f} "
-            f"| {r['speedup_median']:.2f}x |"
+            f"| {r['speedup_median']:.2f}x | {100 * r['same_outputs']:.0f}% |"
         )
     logger.info("results in %s\n%s", args.out, "\n".join(lines))
 
