@@ -34,7 +34,6 @@ from pdserve.engine.models.llama import (
     MLP,
     Attention,
     CausalLM,
-    _pad_rows,
     _param,
     make_lm_head,
     rope_cos_sin,
@@ -167,9 +166,7 @@ class Gemma3ForCausalLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
-        # padding rows: token 0 at position 0, no K/V written (paged_attention)
-        dtype = self.model.embed_tokens.weight.dtype
-        input_ids, positions = _pad_rows(input_ids, dtype), _pad_rows(positions, dtype)
+        input_ids, positions = self._padded(input_ids, positions)
         rope = {
             False: (self.rope_cos[positions], self.rope_sin[positions]),
             True: (self.local_rope_cos[positions], self.local_rope_sin[positions]),
@@ -179,9 +176,7 @@ class Gemma3ForCausalLM(CausalLM):
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             cos, sin = rope[layer.sliding]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.model.norm(x)[:num_tokens]
-        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]
+        return self._final_norm(x, residual, num_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32 logits, softcapped where the config asks."""

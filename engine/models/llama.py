@@ -349,6 +349,22 @@ class CausalLM(nn.Module):
         positions [T]; writes each layer's new K/V into kv_caches at meta.slot_mapping."""
         raise NotImplementedError
 
+    def _padded(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids and positions padded to a GEMM-friendly row count; padding rows are token
+        0 at position 0 and write no K/V (paged_attention)."""
+        dtype = self.model.embed_tokens.weight.dtype
+        return _pad_rows(input_ids, dtype), _pad_rows(positions, dtype)
+
+    def _final_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, num_tokens: int
+    ) -> torch.Tensor:
+        """The last residual add and norm, the padding rows dropped."""
+        if residual is None:  # no layers
+            return self.model.norm(x)[:num_tokens]
+        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's KV cache (layout: engine/attention.py)."""
         return (num_blocks, 2, self.arch.num_kv_heads, block_size, self.arch.head_dim)
@@ -421,14 +437,10 @@ class LlamaForCausalLM(CausalLM):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
-        # padding rows: token 0 at position 0, no K/V written (paged_attention)
-        dtype = self.model.embed_tokens.weight.dtype
-        input_ids, positions = _pad_rows(input_ids, dtype), _pad_rows(positions, dtype)
+        input_ids, positions = self._padded(input_ids, positions)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = F.embedding(input_ids, self.model.embed_tokens.weight)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
-        if residual is None:  # no layers
-            return self.model.norm(x)[:num_tokens]
-        return self.model.norm.add_and_norm(x, residual)[0][:num_tokens]
+        return self._final_norm(x, residual, num_tokens)
