@@ -353,12 +353,11 @@ class LLMEngine:
     def _date_first_scheduling(self, output: SchedulerOutput, start_s: float) -> None:
         """Stamp requests scheduled for the first time with the step's start."""
         requests = self.scheduler.requests
-        for request_id in [c.request_id for c in output.chunks] + [
-            rp.request_id for rp in output.remote_prefills
-        ]:
-            request = requests[request_id]
-            if request.scheduled_s is None:
-                request.scheduled_s = start_s
+        for scheduled in (output.chunks, output.remote_prefills):
+            for item in scheduled:
+                request = requests[item.request_id]
+                if request.scheduled_s is None:
+                    request.scheduled_s = start_s
 
     def _sample_row(self, request: Request) -> SampleRow:
         return SampleRow(
