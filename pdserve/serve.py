@@ -243,6 +243,19 @@ def stop_stack(children: list[Child], timeout_s: float = 20.0) -> None:
             child.process.wait(5.0)
 
 
+def _prepare_cpu_kernels() -> None:
+    """Build the CPU kernels here, once, if this machine has no build for their key yet: nodes
+    started after find it and import it (else every node would wait on the first one's
+    compile under the build lock)."""
+    from pdserve.kernels.cpu import cpu_ops
+
+    start = time.monotonic()
+    ready = cpu_ops() is not None
+    logger.debug(
+        "CPU kernels %s in %.1fs", "ready" if ready else "unavailable", time.monotonic() - start
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     if args.num_decode < 1:
         raise ValueError("--num-decode must be >= 1")
@@ -256,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{host}:{args.port}"
+    _prepare_cpu_kernels()
     for attempt in range(1, _START_ATTEMPTS + 1):
         children = start_stack(args)
         try:

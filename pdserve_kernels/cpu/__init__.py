@@ -1,80 +1,185 @@
-"""CPU kernels compiled on first use (torch.utils.cpp_extension, cached across runs): paged
-decode attention and the K/V store (paged_attention.cpp), the fused RMSNorm / residual-add +
+"""CPU kernels compiled once per build key and cached (torch.utils.cpp_extension): paged decode
+attention and the K/V store (paged_attention.cpp), the fused RMSNorm / residual-add +
 RMSNorm / RoPE / SiLU*up layers (fused_ops.cpp) and the sampler's row argmax
 (sampling_ops.cpp), AVX-512 where the compiler targets it, scalar otherwise.
 
-If the build is impossible (no compiler, no ninja), the engine falls back to its pure-torch
-layers and logs why once.
+The cache (pdserve_kernels/cache.py, kind "cpu_kernels") holds one folder per build key: a hash
+of the sources, the compiler flags, the -march, torch's and Python's versions, then a hash of
+the compiler's identity (`c++ --version`). A process whose key has a folder imports its .so
+directly: no compiler, no ninja, no lock, no write (a node start never compiles once
+scripts/setup.sh, `pdserve serve` or an image's build stage has built it). A missing key is
+built under a lock into a temporary folder and renamed into place, so a reader never sees a
+half-written build and two processes with different keys (say two PDSERVE_CPU_MARCH values)
+never rebuild each other's. Where no compiler is installed (a runtime image), a build of the
+same sources and flags by any compiler is taken.
 
-A prebuilt module (a container image builds it in its build stage) loads without a compiler:
-torch re-emits build.ninja and runs ninja, which finds every output up to date, as long as the
-sources, the flags and the paths are the ones it was built with. -march is native by default;
-an image meant for other machines than the one that built it sets PDSERVE_CPU_MARCH (e.g.
-x86-64-v3) at build and at run time alike.
+If the build is impossible (no compiler, no ninja), the engine falls back to its pure-torch
+layers and logs why once. -march is native by default; an image meant for other machines than
+the one that built it sets PDSERVE_CPU_MARCH (e.g. x86-64-v3) at build and at run time alike.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
+import glob
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from types import ModuleType
+
+import torch
 
 from pdserve.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
 
+_NAME = "pdserve_cpu_attention"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     os.path.join(_HERE, name)
     for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling_ops.cpp")
 ]
+_HEADERS = [os.path.join(_HERE, "vec.h")]
 
 
-def _build_dir() -> str:
+def _cache_root() -> str:
     """PDSERVE_KERNEL_BUILD_DIR if set, else the shared cache folder (pdserve_kernels/cache.py)."""
     return os.environ.get("PDSERVE_KERNEL_BUILD_DIR") or str(cache_dir("cpu_kernels"))
 
 
 def _march() -> str:
-    """The -march the kernels are compiled for (a different value means a rebuild)."""
+    """The -march the kernels are compiled for (part of the build key)."""
     return os.environ.get("PDSERVE_CPU_MARCH", "native")
+
+
+def _cflags() -> list[str]:
+    return ["-O3", f"-march={_march()}", "-ffast-math", "-ffp-contract=off", "-fopenmp"]
+
+
+@functools.cache
+def _compiler_identity() -> str | None:
+    """`$CXX --version` (torch's loader compiles with $CXX, else c++), or None if there is no
+    compiler to run."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return None
+    try:
+        done = subprocess.run(
+            [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def build_key() -> tuple[str, str | None]:
+    """(hash of sources, flags, -march, torch and Python versions; hash of the compiler's
+    identity, None without a compiler). The folder of a build is named "<first>-<second>"."""
+    h = hashlib.sha256()
+    for path in _SOURCES + _HEADERS:
+        with open(path, "rb") as f:
+            h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
+    h.update(" ".join(_cflags()).encode())
+    h.update(f"{torch.__version__}|{platform.python_version()}|{platform.machine()}".encode())
+    compiler = _compiler_identity()
+    compiler_hash = None
+    if compiler is not None:
+        compiler_hash = hashlib.sha256(compiler.encode()).hexdigest()[:12]
+    return h.hexdigest()[:16], compiler_hash
+
+
+def _built_module(root: str, key: tuple[str, str | None]) -> str | None:
+    """The .so of a finished build for key under root, if there is one."""
+    source_key, compiler_key = key
+    if compiler_key is not None:
+        candidates = [os.path.join(root, f"{source_key}-{compiler_key}")]
+    else:  # no compiler here: any compiler's build of these sources and flags
+        candidates = sorted(glob.glob(os.path.join(root, f"{source_key}-*")))
+    for folder in candidates:
+        so = os.path.join(folder, f"{_NAME}.so")
+        if os.path.isfile(so):
+            return so
+    return None
+
+
+def _import(so: str) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, so)
+    spec = importlib.util.spec_from_file_location(_NAME, so, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def _locked(path: str) -> Iterator[None]:
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _build(root: str, key: tuple[str, str | None]) -> str:
+    """Compile into a temporary folder under root and rename it into place; the .so's path."""
+    from torch.utils.cpp_extension import load
+
+    source_key, compiler_key = key
+    if compiler_key is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++) and no prebuilt kernels")
+    final = os.path.join(root, f"{source_key}-{compiler_key}")
+    scratch = tempfile.mkdtemp(prefix=f".build-{source_key}-", dir=root)
+    os.chmod(scratch, 0o755)  # mkdtemp's 0700 would hide the build from other users (images)
+    try:
+        load(
+            build_directory=scratch,
+            name=_NAME,
+            sources=_SOURCES,
+            extra_cflags=_cflags(),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+        os.rename(scratch, final)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return os.path.join(final, f"{_NAME}.so")
 
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
     """The compiled module (paged_decode_attention, store_kv, rms_norm, fused_add_rms_norm,
-    rotary_embedding, silu_and_mul, argmax_rows), or None if it cannot be built.
-    Set PDSERVE_CPU_KERNELS=0 to force the pure-torch path."""
+    rotary_embedding, silu_and_mul, argmax_rows), built if this key has no build yet, or None
+    if it cannot be built. Set PDSERVE_CPU_KERNELS=0 to force the pure-torch path."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        start = time.monotonic()
-        build_dir = _build_dir()
-        os.makedirs(build_dir, exist_ok=True)
-        module = load(
-            build_directory=build_dir,
-            name="pdserve_cpu_attention",
-            sources=_SOURCES,
-            extra_cflags=[
-                "-O3",
-                f"-march={_march()}",
-                "-ffast-math",
-                "-ffp-contract=off",
-                "-fopenmp",
-            ],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-        elapsed = time.monotonic() - start
-        if elapsed > 2:  # a compile, not a cache hit
-            logger.info(
-                "compiled the CPU attention kernels in %.0fs (cached in %s)", elapsed, build_dir
-            )
-        return module
+        root = _cache_root()
+        key = build_key()
+        so = _built_module(root, key)
+        if so is None:
+            os.makedirs(root, exist_ok=True)
+            with _locked(os.path.join(root, f".lock-{key[0]}")):
+                so = _built_module(root, key)  # another process may have built it meanwhile
+                if so is None:
+                    start = time.monotonic()
+                    so = _build(root, key)
+                    logger.info(
+                        "compiled the CPU kernels in %.0fs (cached in %s)",
+                        time.monotonic() - start,
+                        os.path.dirname(so),
+                    )
+        return _import(so)
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
-        logger.warning("CPU attention kernels unavailable (%s); using the torch path", exc)
+        logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None
