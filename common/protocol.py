@@ -38,6 +38,9 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         stop_token_ids=tuple(msg.stop_token_ids),
         stop=tuple(msg.stop),
         ignore_eos=msg.ignore_eos,
+        logit_bias=dict(msg.logit_bias) or None,
+        allowed_token_ids=tuple(msg.allowed_token_ids) or None,
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words),
     )
 
 
@@ -47,6 +50,11 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_token_ids=list(params.stop_token_ids),
         stop=list(params.stop),
         ignore_eos=params.ignore_eos,
+        logit_bias=params.logit_bias or {},
+        allowed_token_ids=list(params.allowed_token_ids or ()),
+        bad_words=[
+            common_pb2.TokenSequence(token_ids=list(word)) for word in params.bad_words_token_ids
+        ],
     )
     for name in _OPTIONAL_FIELDS:
         value = getattr(params, name)

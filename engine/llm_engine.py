@@ -226,6 +226,12 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             )
+        outside = [t for t in params.token_ids_used() if t >= self.vocab_size]
+        if outside:
+            raise ValueError(
+                f"token id {outside[0]} in logit_bias, allowed_token_ids or bad words is "
+                f"outside the vocabulary [0, {self.vocab_size})"
+            )
         total = len(prompt_token_ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(

@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+LOGIT_BIAS_LIMIT = 100.0
+"""OpenAI's range for logit_bias values."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,14 @@ class SamplingParams:
     """Leave special tokens out of the detokenized text."""
     n: int = 1
     """Completions per prompt (fanned out into n requests)."""
+    logit_bias: dict[int, float] | None = None
+    """token id -> value added to its logit before sampling (OpenAI's; values in
+    [-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT])."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """When set (non-empty), only these tokens may be sampled."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Token sequences never to generate: a sequence's last token is forbidden wherever the
+    output ends with the rest of it (vLLM's bad_words, tokenized by the caller)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -52,6 +62,14 @@ class SamplingParams:
         object.__setattr__(self, "stop", stop)
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.logit_bias is not None:
+            object.__setattr__(
+                self, "logit_bias", {int(t): float(v) for t, v in self.logit_bias.items()}
+            )
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        bad_words = tuple(tuple(word) for word in self.bad_words_token_ids)
+        object.__setattr__(self, "bad_words_token_ids", bad_words)
         self._validate()
 
     def _validate(self) -> None:
@@ -79,6 +97,32 @@ class SamplingParams:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        self._validate_token_constraints()
+
+    def _validate_token_constraints(self) -> None:
+        """Token ids must be >= 0 here; the engine checks them against its vocabulary."""
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias token id must be >= 0, got {token}")
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], "
+                    f"got {bias}"
+                )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be >= 0")
+        for word in self.bad_words_token_ids:
+            if not word or any(t < 0 for t in word):
+                raise ValueError("each bad word must be a non-empty list of token ids >= 0")
+
+    def token_ids_used(self) -> list[int]:
+        """Every token id named by logit_bias, allowed_token_ids or bad words (for the
+        engine's vocabulary check)."""
+        words = [t for word in self.bad_words_token_ids for t in word]
+        return [*(self.logit_bias or {}), *(self.allowed_token_ids or ()), *words]
 
     @property
     def greedy(self) -> bool:

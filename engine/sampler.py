@@ -1,8 +1,8 @@
 """Batched sampling where every row of the batch has its own SamplingParams.
 
 A step's logits go through: logprobs of the raw logits (what the response reports) ->
-penalties -> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p -> min-p ->
-a seeded draw. Every random number is a pure function of (seed, stream, position, token id),
+allowed_token_ids / bad words / logit_bias -> penalties -> min_tokens mask -> greedy argmax,
+or temperature -> top-k -> top-p -> min-p -> a seeded draw. Every random number is a pure function of (seed, stream, position, token id),
 so a seeded request samples the same tokens whatever else is in the batch, in whatever
 order, and resumes identically from any position.
 """
@@ -216,6 +216,13 @@ class SamplingMetadata:
     penalties: Penalties | None
     stop_mask: tuple[Tensor, Tensor] | None
     """(rows [M], token ids [M]) set to -inf because their row is still below min_tokens."""
+    allowed: tuple[Tensor, Tensor] | None
+    """(rows [A], forbidden [A, V] bool): rows with allowed_token_ids and, for each, every
+    token outside them; None when no row restricts its tokens."""
+    bad_words_mask: tuple[Tensor, Tensor] | None
+    """(rows [B], token ids [B]) set to -inf because they would complete a bad word."""
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None
+    """(rows [K], token ids [K], biases [K] float32) added to the logits."""
     num_logprobs: tuple[int | None, ...]
     """Per row: SamplingParams.logprobs."""
     logprob_rows: Tensor | None
@@ -257,6 +264,9 @@ class SamplingMetadata:
             positions=_int64([rows[i].position for i in random], device),
             penalties=Penalties.build(rows, vocab_size, device),
             stop_mask=_build_stop_mask(rows, vocab_size, device),
+            allowed=_build_allowed(rows, vocab_size, device),
+            bad_words_mask=_build_bad_words_mask(rows, vocab_size, device),
+            logit_bias=_build_logit_bias(rows, vocab_size, device),
             num_logprobs=num_logprobs,
             logprob_rows=column(logprob_rows, torch.int64, bool(logprob_rows)),
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=0),
@@ -282,6 +292,78 @@ def _build_stop_mask(
         return None
     masked_rows, tokens = zip(*pairs, strict=True)
     return _int64(list(masked_rows), device), _int64(list(tokens), device)
+
+
+def _build_allowed(
+    rows: list[SampleRow], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """The rows with allowed_token_ids and a [A, V] mask of what each forbids (one scatter
+    into a mask; the allowed lists are padded with V, a spare column dropped at the end)."""
+    restricted = [i for i, row in enumerate(rows) if row.params.allowed_token_ids is not None]
+    if not restricted:
+        return None
+    lists = [rows[i].params.allowed_token_ids or () for i in restricted]
+    allowed = _token_matrix(lists, vocab_size, device).clamp(max=vocab_size)
+    forbidden = torch.ones(len(restricted), vocab_size + 1, dtype=torch.bool, device=device)
+    forbidden.scatter_(1, allowed, False)
+    return _int64(restricted, device), forbidden[:, :vocab_size]
+
+
+def _build_bad_words_mask(
+    rows: list[SampleRow], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """(row, token) pairs completing a bad word: its last token, where the row's output ends
+    with the word's other tokens (always, for a one-token word). The work is per bad word, not
+    per vocabulary entry."""
+    pairs = []
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        output = list(row.output_token_ids)
+        for word in words:
+            prefix_len = len(word) - 1
+            if word[-1] < vocab_size and (
+                prefix_len == 0
+                or (prefix_len <= len(output) and output[-prefix_len:] == list(word[:-1]))
+            ):
+                pairs.append((i, word[-1]))
+    if not pairs:
+        return None
+    masked_rows, tokens = zip(*pairs, strict=True)
+    return _int64(list(masked_rows), device), _int64(list(tokens), device)
+
+
+def _build_logit_bias(
+    rows: list[SampleRow], vocab_size: int, device: torch.device
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(row, token, bias) triples of every row's logit_bias."""
+    triples = [
+        (i, token, bias)
+        for i, row in enumerate(rows)
+        for token, bias in (row.params.logit_bias or {}).items()
+        if token < vocab_size
+    ]
+    if not triples:
+        return None
+    biased_rows, tokens, biases = zip(*triples, strict=True)
+    values = torch.tensor(biases, dtype=torch.float32, device=device)
+    return _int64(list(biased_rows), device), _int64(list(tokens), device), values
+
+
+def apply_token_constraints(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """allowed_token_ids, bad words (forbidden: -inf), then logit_bias (added). Returns a new
+    tensor when any applies, else logits itself."""
+    if meta.allowed is not None:
+        restricted, forbidden = meta.allowed
+        masked = logits[restricted].masked_fill(forbidden, float("-inf"))
+        logits = logits.index_copy(0, restricted, masked)
+    if meta.bad_words_mask is not None:
+        logits = logits.index_put(meta.bad_words_mask, logits.new_tensor(float("-inf")))
+    if meta.logit_bias is not None:
+        biased_rows, tokens, biases = meta.logit_bias
+        logits = logits.index_put((biased_rows, tokens), biases, accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: Tensor, penalties: Penalties) -> Tensor:
@@ -359,7 +441,9 @@ def _nucleus_floor(descending: Tensor, top_p: Tensor) -> Tensor:
 
 
 def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Penalties, then the min_tokens mask: the logits whose argmax greedy rows take."""
+    """Token constraints (allowed ids, bad words, logit bias), penalties, then the min_tokens
+    mask: the logits whose argmax greedy rows take."""
+    logits = apply_token_constraints(logits, meta)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.stop_mask is not None:
