@@ -57,7 +57,7 @@ class SequenceOutput:
             params.skip_special_tokens if params.HasField("skip_special_tokens") else True
         )
         self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special)
-        self._matcher = StopStringMatcher(params.stop)
+        self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None

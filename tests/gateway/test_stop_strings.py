@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from pdserve.gateway.sequence import SequenceOutput
@@ -111,3 +112,61 @@ def test_sequence_matches_the_offline_engine(tokenizer: Tokenizer) -> None:
         tracked.close()
         assert streamed == tracked.text == seq.text, (tokens, stops)
         assert seq.stop_reason == tracked.stop_reason
+
+
+def _reference(stops: list[str], deltas: list[str], include: bool) -> tuple[list[str], str]:
+    """The quadratic search the matcher replaced: whole text, each stop in order."""
+    text, released, out = "", 0, []
+    for delta in deltas:
+        text += delta
+        for stop in stops:
+            cut = text.find(stop)
+            if cut != -1:
+                text = text[: cut + len(stop) if include else cut]
+                out.append(text[released:])
+                return out, text
+        hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        out.append(text[released : len(text) - hold])
+        released = max(released, len(text) - hold)
+    return out, text
+
+
+def test_matches_the_quadratic_reference_on_random_text() -> None:
+    rng = random.Random(7)
+    for _ in range(400):
+        alphabet = "ab" if rng.random() < 0.5 else "abc"
+        stops = [
+            "".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in range(rng.randint(1, 3))
+        ]
+        deltas = ["".join(rng.choices(alphabet, k=rng.randint(0, 4))) for _ in range(12)]
+        include = rng.random() < 0.5
+        m = StopStringMatcher(stops, include_stop_str=include)
+        got = []
+        for delta in deltas:
+            match = m.feed(delta)
+            got.append(match.text)
+            if match.stop is not None:
+                break
+        want, text = _reference(stops, deltas, include)
+        assert (got, m.text) == (want, text), (stops, deltas, include)
+
+
+def test_include_stop_str_keeps_the_stop_string() -> None:
+    m = StopStringMatcher(["END"], include_stop_str=True)
+    assert m.feed("abcEN") == ("abc", None)
+    assert m.feed("D tail") == ("END", "END")
+    assert m.text == "abcEND"
+
+
+def test_64kb_stop_strings_cost_linear_time() -> None:
+    """Four 64 KB stop strings against text whose every suffix is compared with them by a
+    naive search (quadratic: minutes here): 16 sequences of 2000 deltas, well under a second
+    or two."""
+    stops = ["a" * 65535 + c for c in "bcde"]
+    start = time.perf_counter()
+    for _ in range(16):
+        m = StopStringMatcher(stops)
+        released = "".join(m.feed("ba").text for _ in range(2000))
+        assert released + m.flush() == "ba" * 2000
+        assert released == "ba" * 1999 + "b"  # the last "a" may start a stop string
+    assert time.perf_counter() - start < 2.0
