@@ -61,10 +61,16 @@ class PrefillNodeConfig(NodeConfig):
     port: int = 50071
     prefill_timeout_s: float = 60.0
     """Deadline for one prompt's prefill and KV push."""
+    kv_target_hosts: str = "caller"
+    """Where this node pushes KV: "caller" (only to the host the Prefill call came from: the
+    decode node that will hold the KV), "any" (behind a proxy that hides the caller's
+    address), or a comma-separated list of allowed hosts."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_positive(self, "prefill_timeout_s")
+        if not self.kv_target_hosts.strip():
+            raise ValueError('--kv-target-hosts must be "caller", "any" or a list of hosts')
 
 
 @dataclass(frozen=True)

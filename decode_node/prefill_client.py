@@ -159,7 +159,8 @@ class PrefillClient:
         block_size = self.layout.block_size
         skip = rp.num_local_cached_tokens // block_size
         num_blocks = cdiv(len(tracked.prompt_token_ids), block_size) - skip
-        transfer_id = f"{tracked.request_id}/{uuid.uuid4().hex[:12]}"
+        # Not derived from the client's request id (any length): a fixed-size random id.
+        transfer_id = uuid.uuid4().hex
         engine_loop = self.engine_loop
         block_ids = rp.block_ids
         arrivals = _Arrivals()
@@ -174,7 +175,7 @@ class PrefillClient:
             engine_loop.submit(lambda: scatter_blocks(engine_loop.engine.kv_cache, target, data))
             arrivals.note(header)
 
-        self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
+        token = self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
         tracked.transfer_id = transfer_id
         request = node_pb2.PrefillRequest(
             request_id=tracked.request_id,
@@ -187,6 +188,7 @@ class PrefillClient:
                 transfer_id=transfer_id,
                 skip_blocks=skip,
                 layout=layout_to_proto(self.layout),
+                token=token,
             ),
         )
         metadata = tracing.grpc_metadata(tracing.context_of(span))

@@ -67,6 +67,8 @@ class PushTarget:
     transfer_id: str
     skip_blocks: int
     trace_context: dict[str, str] = field(default_factory=dict)
+    token: str = ""
+    """The transfer's secret from the receiver (KVTarget.token), sent in every header."""
 
 
 @dataclass
@@ -148,6 +150,7 @@ class KVPushConnector:
             num_blocks=len(block_ids),
             payload_bytes=payload.nbytes,
             trace_context=push.target.trace_context,
+            token=push.target.token,
         )
         push.started = push.started or time.perf_counter()
         push.bytes += payload.nbytes

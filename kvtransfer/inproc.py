@@ -32,7 +32,10 @@ class InprocReceiver(BaseReceiver):
         _receivers[self.address] = self
 
     def receive(self, header: TransferHeader, payload: Any) -> None:
-        if self.expected.route(header) is Route.ACCEPT:
+        route = self.expected.route(header)
+        if route is Route.REFUSE:
+            raise KVTransferError(f"{self.address} refused a message of {header.transfer_id}")
+        if route is Route.ACCEPT:
             self.expected.deliver(header, payload)
 
     async def close(self) -> None:

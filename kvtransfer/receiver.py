@@ -1,17 +1,29 @@
 """Decode-side bookkeeping shared by every transport: ExpectedTransfers (the transfers a
 receiver expects), BaseReceiver (a KVReceiver built on it) and ScratchBuffer.
 
-A transport reads a message's header, asks ``route()`` whether to keep the payload, reads
-the payload (into a real buffer, or discards it), then calls ``deliver()``. Everything runs
-on the receiver's event loop, so no locks are needed.
+A transport reads a message's header, asks ``route()`` what to do with the payload, reads it
+(into a real buffer, or discards it) or drops the connection, then calls ``deliver()``.
+Everything runs on the receiver's event loop, so no locks are needed.
+
+Authentication. expect() issues a random token for each transfer (128 bits); the decode node
+hands it to the prefill node with the address, and every message of the transfer carries it.
+route() checks the token (constant-time compare) and the layout, block range and byte size
+against the reservation before the transport reads a byte of payload or allocates for it: a
+peer that does not hold the token of a transfer this receiver expects (or just finished) is
+REFUSEd and its connection closed, whatever payload size it claims. The tokens of recently
+finished or cancelled transfers are kept (bounded) so a legitimate sender's late messages are
+read and discarded (DROP, at most the reservation's size) instead of costing it its connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
 import logging
+import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,9 +40,19 @@ class Route(enum.Enum):
     ACCEPT = 0
     """Read it and deliver() it."""
     DROP = 1
-    """Unknown or cancelled transfer: read and discard."""
+    """A transfer that just finished or was cancelled (right token, at most its reservation's
+    bytes): read and discard."""
     REJECT = 2
-    """Known transfer, wrong layout or block range: read and discard; the transfer failed."""
+    """Known transfer (right token), wrong layout, block range or size: the transfer failed.
+    Transports that can discard a stream in bounded pieces (TCP) read and discard the payload;
+    others (UCX) drop the connection."""
+    REFUSE = 3
+    """No transfer this receiver knows, or the wrong token: close the connection without
+    reading the payload (never acknowledged)."""
+
+
+_RECENT_TRANSFERS = 4096
+"""Finished or cancelled transfers whose late messages are still discarded politely."""
 
 
 @dataclass
@@ -38,6 +60,7 @@ class _Transfer:
     layout: LayoutSignature
     num_blocks: int
     on_blocks: OnBlocks
+    token: str
     done: asyncio.Event = field(default_factory=asyncio.Event)
     error: Exception | None = None
     received_blocks: int = 0
@@ -57,28 +80,42 @@ class ExpectedTransfers:
 
     def __init__(self) -> None:
         self._transfers: dict[str, _Transfer] = {}
+        self._recent: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        """transfer id -> (token, reserved bytes) of finished or cancelled transfers."""
         self._closed = False
+        self.refused = 0
+        """Messages refused (unknown transfer or wrong token) since the start."""
 
     def __len__(self) -> int:
         return len(self._transfers)
 
     def expect(
         self, transfer_id: str, layout: LayoutSignature, num_blocks: int, on_blocks: OnBlocks
-    ) -> None:
+    ) -> str:
         if self._closed:
             raise KVTransferError("receiver is closed")
         if transfer_id in self._transfers:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self._transfers[transfer_id] = _Transfer(layout, num_blocks, on_blocks)
+        token = secrets.token_hex(16)
+        self._transfers[transfer_id] = _Transfer(layout, num_blocks, on_blocks, token)
+        return token
 
     def route(self, header: TransferHeader) -> Route:
-        """Decide the fate of a message whose header just arrived; a REJECT fails its transfer."""
+        """Decide the fate of a message whose header just arrived, before any of its payload is
+        read; a REJECT fails its transfer."""
         transfer = self._transfers.get(header.transfer_id)
         if transfer is None or transfer.done.is_set():
-            logger.debug("dropping message for unknown transfer %s", header.transfer_id)
-            return Route.DROP
+            token, reserved = self._recent.get(header.transfer_id, ("", 0))
+            if transfer is not None:
+                token, reserved = transfer.token, transfer.num_blocks * transfer.layout.block_bytes
+            if token and _same(token, header.token) and header.payload_bytes <= reserved:
+                logger.debug("dropping a late message of transfer %s", header.transfer_id)
+                return Route.DROP
+            return self._refuse(header, "no such transfer")
+        if not _same(transfer.token, header.token):
+            return self._refuse(header, "wrong token")
         if transfer.first_arrival_s is None:
             transfer.first_arrival_s = time.perf_counter()
         try:
@@ -97,6 +134,25 @@ class ExpectedTransfers:
             )
             return Route.REJECT
         return Route.ACCEPT
+
+    def _refuse(self, header: TransferHeader, why: str) -> Route:
+        self.refused += 1
+        logger.warning(
+            "refusing a KV message claiming %d bytes for transfer %.64r: %s",
+            header.payload_bytes,
+            header.transfer_id,
+            why,
+        )
+        return Route.REFUSE
+
+    def _remember(self, transfer_id: str, transfer: _Transfer) -> None:
+        self._recent[transfer_id] = (
+            transfer.token,
+            transfer.num_blocks * transfer.layout.block_bytes,
+        )
+        self._recent.move_to_end(transfer_id)
+        while len(self._recent) > _RECENT_TRANSFERS:
+            self._recent.popitem(last=False)
 
     def deliver(self, header: TransferHeader, payload: np.ndarray) -> None:
         """Hand an ACCEPTed message's payload to on_blocks and count it."""
@@ -132,6 +188,7 @@ class ExpectedTransfers:
             # Only pop our own entry: after a cancel() the id may have been expected anew.
             if self._transfers.get(transfer_id) is transfer:
                 del self._transfers[transfer_id]
+                self._remember(transfer_id, transfer)
         if transfer.error is not None:
             raise transfer.error
         start_s = transfer.first_arrival_s or transfer.last_arrival_s
@@ -142,6 +199,7 @@ class ExpectedTransfers:
     def cancel(self, transfer_id: str) -> None:
         transfer = self._transfers.pop(transfer_id, None)
         if transfer is not None:
+            self._remember(transfer_id, transfer)
             transfer.fail(KVTransferError(f"transfer {transfer_id} cancelled"))
 
     def close(self) -> None:
@@ -150,6 +208,10 @@ class ExpectedTransfers:
         for transfer_id in list(self._transfers):
             transfer = self._transfers.pop(transfer_id)
             transfer.fail(KVTransferError(f"receiver closed during transfer {transfer_id}"))
+
+
+def _same(expected: str, got: str) -> bool:
+    return hmac.compare_digest(expected.encode(), got.encode())
 
 
 class ScratchBuffer:
@@ -174,8 +236,8 @@ class BaseReceiver(KVReceiver):
 
     def expect(
         self, transfer_id: str, layout: LayoutSignature, num_blocks: int, on_blocks: OnBlocks
-    ) -> None:
-        self.expected.expect(transfer_id, layout, num_blocks, on_blocks)
+    ) -> str:
+        return self.expected.expect(transfer_id, layout, num_blocks, on_blocks)
 
     async def wait(self, transfer_id: str, timeout_s: float) -> TransferStats:
         return await self.expected.wait(transfer_id, timeout_s)

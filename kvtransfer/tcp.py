@@ -2,7 +2,8 @@
 
 Per message, sender -> receiver: the encoded header (self-delimiting: its prefix carries its
 length, see wire.py), then payload_bytes raw bytes. Receiver -> sender: one ack byte (the
-Route value) once the payload was read and handed to on_blocks, or discarded.
+Route value) once the payload was read and handed to on_blocks, or discarded; a REFUSEd
+message (no such transfer, wrong token: receiver.py) is not read: the connection is closed.
 
 Why sockets and not asyncio streams: StreamReader.readexactly() builds a bytes object per
 read and copies the payload twice; ``loop.sock_recv_into`` reads straight into a
@@ -130,6 +131,8 @@ class TcpReceiver(BaseReceiver):
         try:
             while (header := await _read_header(conn)) is not None:
                 route = await self._read_payload(conn, header, scratch)
+                if route is Route.REFUSE:
+                    return
                 await loop.sock_sendall(conn, bytes([route.value]))
         except (OSError, WireFormatError) as e:  # ConnectionError is an OSError
             logger.warning("%s: dropping connection: %s", self.address, e)
@@ -140,6 +143,8 @@ class TcpReceiver(BaseReceiver):
         self, conn: socket.socket, header: TransferHeader, scratch: ScratchBuffer
     ) -> Route:
         route = self.expected.route(header)
+        if route is Route.REFUSE:
+            return route
         if route is Route.ACCEPT:
             payload = scratch.get(header.payload_bytes)
             await _recv_exactly(conn, memoryview(payload))

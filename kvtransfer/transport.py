@@ -1,7 +1,8 @@
 """The transport interfaces: a decode-side KVReceiver, a prefill-side KVSender, and factories.
 
 Push model: the decode node reserves blocks, calls ``receiver.expect()`` for a new transfer
-id, asks a prefill node (over gRPC) to push to ``receiver.address``, then awaits
+id (which issues the transfer's token), asks a prefill node (over gRPC) to push to
+``receiver.address`` with that id and token in every header, then awaits
 ``receiver.wait()``. The prefill node calls ``sender.send()`` once per message as blocks
 become final. Each arriving message is handed to the transfer's ``on_blocks`` callback,
 which scatters it into the reserved blocks.
@@ -49,8 +50,10 @@ class TransferStats:
 class KVReceiver(ABC):
     """Decode side: accepts pushed messages and routes each to the transfer it belongs to.
 
-    All methods run on one asyncio event loop. Data for an unknown or cancelled transfer id
-    is read and discarded without breaking the connection.
+    All methods run on one asyncio event loop. A message is authenticated by its transfer's
+    token before any of its payload is read: without the token of an expected (or just
+    finished) transfer its connection is closed, nothing allocated. Late data of a cancelled
+    or finished transfer (right token) is read and discarded without breaking the connection.
     """
 
     address: str
@@ -64,10 +67,11 @@ class KVReceiver(ABC):
     @abstractmethod
     def expect(
         self, transfer_id: str, layout: LayoutSignature, num_blocks: int, on_blocks: OnBlocks
-    ) -> None:
+    ) -> str:
         """Register a transfer of num_blocks blocks (request block indices [0, num_blocks))
-        before the sender is asked to push it; its messages then go to on_blocks. A
-        transfer_id already registered raises ValueError."""
+        before the sender is asked to push it; its messages then go to on_blocks. Returns the
+        transfer's token (a secret: only its sender may see it), which every message's header
+        must carry. A transfer_id already registered raises ValueError."""
 
     @abstractmethod
     async def wait(self, transfer_id: str, timeout_s: float) -> TransferStats:

@@ -16,9 +16,12 @@ Python futures (ucxx's own default) burn up to a whole core as soon as a receive
 benchmarks/kv_transfer.py). Override with the standard UCXPY_PROGRESS_MODE (and
 UCXPY_ENABLE_PYTHON_FUTURE) environment variables, read when ucxx is first initialised.
 
-Loopback. ucxx's listener always binds 0.0.0.0 (its API has no bind address);
-UCX_NET_DEVICES=lo only keeps UCX's own tcp transport sockets on 127.0.0.1, and UCX_TLS=tcp
-does not narrow the listener either. Firewall the port if the node has other interfaces.
+Binding. ucxx's listener always binds 0.0.0.0 (its API has no bind address; ucxx builds the
+listener's sockaddr with no host); UCX_NET_DEVICES=lo only keeps UCX's own tcp transport
+sockets on 127.0.0.1, and UCX_TLS=tcp does not narrow the listener either. What holds the door
+is the receiver (receiver.py): a message without the token of a transfer it expects is refused
+before its payload is received or any buffer is taken, and its endpoint dropped. Firewall the
+port (or use --kv-transport tcp, which binds --kv-host exactly) where even that is too much.
 
 One event loop per process: ucxx is initialised once (first start() or send()), and its
 progress and notifier threads deliver to the event loop running at that moment; using UCX
@@ -198,7 +201,14 @@ class UcxReceiver(BaseReceiver):
                 logger.warning("%s: dropping endpoint: %s", self.address, e)
                 return
             route = self.expected.route(header)
-            payload = scratch.get(header.payload_bytes)
+            if route not in (Route.ACCEPT, Route.DROP):
+                # REFUSE (unauthenticated) or REJECT (a failed transfer, whose claimed size
+                # is not bounded by the reservation): a tag receive needs a buffer of the
+                # payload's size, so rather than take it, drop the endpoint; UCX discards the
+                # rendezvous payload it never fetched.
+                logger.debug("%s: dropping endpoint after a %s", self.address, route.name)
+                return
+            payload = scratch.get(header.payload_bytes)  # at most the reservation's bytes
             try:
                 await endpoint.recv(payload, tag=payload_tag(header))
             except Exception as e:

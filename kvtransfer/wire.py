@@ -6,12 +6,13 @@ one or more *messages*; each message is an encoded TransferHeader followed by it
 Header encoding (all integers big-endian):
 
     prefix  magic b"PDKV" | version u16 | body_bytes u32           (HEADER_PREFIX_BYTES)
-    body    transfer_id str | model str | dtype str
+    body    transfer_id str | token str | model str | dtype str
             | num_layers u32 | num_kv_heads u32 | head_dim u32 | block_size u32
             | first_block u32 | num_blocks u32 | payload_bytes u64
             | trace_context: count u16, then count x (key str, value str)
 
-where str is a u16 byte length followed by UTF-8. The prefix alone tells a reader how many
+where str is a u16 byte length followed by UTF-8. token is the transfer's secret, issued by
+the receiver (receiver.py): it authenticates the message before its payload is read. The prefix alone tells a reader how many
 bytes the whole header takes (header_size()), so a stream reader can frame it.
 
 Payload: the raw bytes of a C-contiguous tensor shaped
@@ -27,7 +28,8 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, fields
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2
+"""2: the token after the transfer id."""
 MAGIC = b"PDKV"
 MAX_HEADER_BYTES = 16 * 1024
 """Receivers reject longer headers (the trace context is the only part that can grow)."""
@@ -105,6 +107,8 @@ class TransferHeader:
     """Always num_blocks * layout.block_bytes."""
     trace_context: dict[str, str] = field(default_factory=dict)
     """W3C trace context ("traceparent", "tracestate"); may be empty."""
+    token: str = ""
+    """The transfer's token, as the receiver's expect() issued it."""
 
     def __post_init__(self) -> None:
         if self.first_block < 0 or self.num_blocks < 1:
@@ -121,7 +125,7 @@ class TransferHeader:
 
     def encode(self) -> bytes:
         """The header's wire bytes (prefix + body); raises WireFormatError if too long."""
-        parts = [_pack_str(self.transfer_id), _pack_str(self.layout.model)]
+        parts = [_pack_str(self.transfer_id), _pack_str(self.token), _pack_str(self.layout.model)]
         parts.append(_pack_str(self.layout.dtype))
         lay = self.layout
         parts.append(_SHAPE.pack(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size))
@@ -187,7 +191,7 @@ class _Reader:
         return text
 
     def header(self) -> TransferHeader:
-        transfer_id, model, dtype = self.text(), self.text(), self.text()
+        transfer_id, token, model, dtype = self.text(), self.text(), self.text(), self.text()
         num_layers, num_kv_heads, head_dim, block_size = self.unpack(_SHAPE)
         first_block, num_blocks, payload_bytes = self.unpack(_RANGE)
         (num_items,) = self.unpack(_U16)
@@ -196,5 +200,5 @@ class _Reader:
             raise struct.error(f"{len(self.body) - self.pos} trailing bytes")
         layout = LayoutSignature(model, dtype, num_layers, num_kv_heads, head_dim, block_size)
         return TransferHeader(
-            transfer_id, layout, first_block, num_blocks, payload_bytes, trace_context
+            transfer_id, layout, first_block, num_blocks, payload_bytes, trace_context, token
         )

@@ -50,6 +50,7 @@ class PrefillRole(NodeRole):
             self.config.prefill_timeout_s,
             PrefillTelemetry(parts.metrics, parts.node_id),
             parts.metrics_address,
+            self.config.kv_target_hosts,
         )
 
     def add_servicer(self, servicer: PrefillServicer, server: grpc.aio.Server) -> None:

@@ -329,3 +329,41 @@ def test_queue_aware_decode_node_prefills_locally_while_the_remote_backlog_is_lo
         stalled.release.set()
         proc.stop()
         server.stop(grace=None)
+
+
+def test_prefill_node_refuses_hostile_kv_targets_and_keeps_serving(nodes, offline):
+    """A Prefill call straight to the prefill node: a KV target on a host other than the
+    caller's is PERMISSION_DENIED (the node never connects out to it), impossible block ranges
+    and oversized transfer ids are INVALID_ARGUMENT; a 20 KB client request id still gets a
+    remote prefill through the decode node, and the output stays exact."""
+    transport, addresses, _ = nodes
+    prompt = prompts(1, seed=41)[0][:40]
+    bad_targets = {
+        grpc.StatusCode.PERMISSION_DENIED: [
+            node_pb2.KVTarget(address=f"{transport}://10.255.255.1:9", transfer_id="x")
+        ],
+        grpc.StatusCode.INVALID_ARGUMENT: [
+            node_pb2.KVTarget(address=f"{transport}://127.0.0.1:9", transfer_id="x",
+                              skip_blocks=skip)
+            for skip in (-5, 2**31 - 1, 3)  # 40 tokens = 3 blocks: 3 skips them all
+        ] + [
+            node_pb2.KVTarget(address=f"{transport}://127.0.0.1:9", transfer_id="x" * 20000),
+            node_pb2.KVTarget(address="nonsense", transfer_id="x"),
+        ],
+    }  # fmt: skip
+    with grpc.insecure_channel(addresses["prefill"]) as channel:
+        stub = node_pb2_grpc.PrefillNodeStub(channel)
+        for code, targets in bad_targets.items():
+            for target in targets:
+                request = node_pb2.PrefillRequest(
+                    request_id="hostile", prompt_token_ids=prompt, kv_target=target
+                )
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.Prefill(request, timeout=10)
+                assert info.value.code() == code, (target, info.value.details())
+    long_id = "r" * 20000
+    p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    chunks = generate(addresses["decode"], long_id, prompt, p, [addresses["prefill"]])
+    assert chunks[0].prefilled_by == f"remote:{addresses['prefill']}"
+    want = offline.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for c in chunks for t in c.token_ids] == want

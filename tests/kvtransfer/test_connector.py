@@ -52,8 +52,9 @@ def test_blocks_are_pushed_as_they_become_final_and_land_intact():
             start = 1 + header.first_block
             scatter_blocks(dst, decode_blocks[start : start + header.num_blocks], payload)
 
-        receiver.expect("t1", LAYOUT, 3, on_blocks)
-        connector.register("r", PushTarget(receiver.address, "t1", skip_blocks=1), 14)
+        token = receiver.expect("t1", LAYOUT, 3, on_blocks)
+        target = PushTarget(receiver.address, "t1", skip_blocks=1, token=token)
+        connector.register("r", target, 14)
         # step 1 computes tokens [0, 6): block 0 is final but skipped, nothing to send yet
         await asyncio.to_thread(connector.after_execute, chunk("r", 0, 6, prefill_blocks))
         # step 2 computes [6, 10): block 1 (tokens 4..7) is final; block 2 not yet

@@ -42,16 +42,18 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prefilled_by: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("address", "transfer_id", "skip_blocks", "layout")
+    __slots__ = ("address", "transfer_id", "skip_blocks", "layout", "token")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     address: str
     transfer_id: str
     skip_blocks: int
     layout: KVLayout
-    def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ...) -> None: ...
+    token: str
+    def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
