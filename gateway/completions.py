@@ -1,11 +1,18 @@
 """POST /v1/completions: the OpenAI request to a GenerationRequest, and deltas back to
-OpenAI's text_completion objects (whole, or streamed as chunks)."""
+OpenAI's text_completion objects (whole, or streamed as chunks).
+
+A batched request (a list of prompts) is one GenerationRequest whose choices are numbered
+prompt x n + sample, as OpenAI's. best_of > n generates best_of per prompt and returns the n
+with the highest cumulative logprob (not streamable, as in OpenAI's API). echo puts the
+prompt's text before each choice's.
+"""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.generation import GenerationRequest
@@ -17,8 +24,13 @@ from pdserve.gateway.openai_api import (
     PromptTokensDetails,
     UsageInfo,
 )
-from pdserve.gateway.prompts import completion_prompt_ids
-from pdserve.gateway.sampling import check_min_tokens, fit_max_tokens, to_sampling_params
+from pdserve.gateway.prompts import completion_prompt_ids, split_prompts
+from pdserve.gateway.sampling import (
+    add_token_constraints,
+    check_min_tokens,
+    fit_max_tokens,
+    to_sampling_params,
+)
 from pdserve.gateway.sequence import CompletionDelta, FinalOutput, collect
 
 
@@ -26,13 +38,28 @@ def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Generati
     """Check, tokenize and size a completions request (raises ApiError)."""
     ctx.check_model(body.model)
     max_model_len = ctx.check_decode_available()
-    prompt_ids = completion_prompt_ids(ctx.tokenizer, body.prompt)
-    max_tokens = fit_max_tokens(body.max_tokens, len(prompt_ids), max_model_len, "prompt")
-    params = to_sampling_params(body, max_tokens, body.logprobs)
+    prompts = [
+        completion_prompt_ids(ctx.tokenizer, prompt, body.truncate_prompt_tokens)
+        for prompt in split_prompts(body.prompt)
+    ]
+    longest = max(prompts, key=len)
+    max_tokens = fit_max_tokens(body.max_tokens, len(longest), max_model_len, "prompt")
+    logprobs = body.logprobs
+    if body.num_candidates > body.n and logprobs is None:
+        logprobs = 0  # best_of ranks candidates by their cumulative logprob
+    params = to_sampling_params(body, max_tokens, logprobs)
+    add_token_constraints(params, body, ctx.tokenizer)
     check_min_tokens(params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
+    batch = tuple(prompts) if len(prompts) > 1 else ()
     return ctx.new_request(
-        request_id, prompt_ids, params, body.n, body.cache_salt or "", body.priority
+        request_id,
+        prompts[0],
+        params,
+        body.num_candidates,
+        body.cache_salt or "",
+        body.priority,
+        batch,
     )
 
 
@@ -46,13 +73,47 @@ def usage(num_prompt_tokens: int, num_cached_tokens: int, completion_tokens: int
     )
 
 
+def num_prompt_tokens(request: GenerationRequest) -> int:
+    """Every prompt of the request, each counted once."""
+    return sum(len(prompt) for prompt in request.prompts)
+
+
 def final_usage(request: GenerationRequest, outputs: list[FinalOutput]) -> UsageInfo:
-    """The usage of a request whose n completions are all done."""
+    """The usage of a request whose completions are all done (cached tokens: each prompt's
+    first completion's)."""
     return usage(
-        len(request.prompt_token_ids),
-        outputs[0].num_cached_tokens,
+        num_prompt_tokens(request),
+        sum(out.num_cached_tokens for out in outputs if out.index % request.n == 0),
         sum(len(out.token_ids) for out in outputs),
     )
+
+
+def _best(outputs: list[FinalOutput], num_candidates: int, n: int) -> list[FinalOutput]:
+    """Per prompt, the n of its num_candidates outputs with the highest cumulative logprob
+    (ties: the lower index), renumbered prompt x n + rank."""
+    chosen = []
+    for start in range(0, len(outputs), num_candidates):
+        group = outputs[start : start + num_candidates]
+        group.sort(key=lambda out: -sum(lp.logprob for lp in out.logprobs))
+        chosen.extend(group[:n])
+    for index, out in enumerate(chosen):
+        out.index = index
+    return chosen
+
+
+class _Echo:
+    """The prompts' texts, for echo: the text given, or the token ids decoded."""
+
+    def __init__(self, ctx: GatewayContext, body: CompletionRequest, request: GenerationRequest):
+        texts = split_prompts(body.prompt)
+        self._texts = [
+            text if isinstance(text, str) else ctx.tokenizer.decode(prompt)
+            for text, prompt in zip(texts, request.prompts, strict=True)
+        ]
+        self._n = body.n
+
+    def text(self, index: int) -> str:
+        return self._texts[index // self._n]
 
 
 async def completion_response(
@@ -62,16 +123,24 @@ async def completion_response(
     deltas: AsyncIterator[CompletionDelta],
 ) -> CompletionResponse:
     """The whole completion once every choice has finished."""
-    outputs = await collect(deltas, request.n)
+    outputs = await collect(deltas, request.num_choices)
+    response_usage = final_usage(request, outputs)
+    if body.num_candidates > body.n:
+        outputs = _best(outputs, body.num_candidates, body.n)
+    echo = _Echo(ctx, body, request) if body.echo else None
     choices = [
         CompletionChoice(
             index=out.index,
-            text=out.text,
-            logprobs=completion_logprobs(out.logprobs, ctx.token_texts, 0)
+            text=(echo.text(out.index) if echo else "") + out.text,
+            logprobs=completion_logprobs(
+                out.logprobs, ctx.token_texts, 0, body.return_tokens_as_token_ids
+            )
             if body.logprobs is not None
             else None,
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
             stop_reason=out.stop_reason,
+            prompt_token_ids=request.prompt_of(out.index) if body.return_token_ids else None,
+            token_ids=out.token_ids if body.return_token_ids else None,
         )
         for out in outputs
     ]
@@ -80,8 +149,17 @@ async def completion_response(
         created=int(time.time()),
         model=body.model,
         choices=choices,
-        usage=final_usage(request, outputs),
+        usage=response_usage,
     )
+
+
+def _chunk_exclusions(exclude: set[str], choice: CompletionChoice) -> dict[str, Any]:
+    """What a chunk leaves out: usage unless asked for, and the token-id fields it has not
+    set (vLLM's chunks have them only with return_token_ids, prompt_token_ids only first)."""
+    unset = {
+        name: True for name in ("prompt_token_ids", "token_ids") if getattr(choice, name) is None
+    }
+    return {**{key: True for key in exclude}, "choices": {0: unset}}
 
 
 async def completion_stream(
@@ -91,39 +169,53 @@ async def completion_stream(
     deltas: AsyncIterator[CompletionDelta],
 ) -> AsyncIterator[str]:
     """JSON of each chunk: one per delta, then (include_usage) one with the usage and no
-    choices. Without include_usage the chunks have no usage key, as OpenAI's."""
+    choices. Without include_usage the chunks have no usage key, as OpenAI's. A choice's first
+    chunk carries its echo and (return_token_ids) its prompt's token ids."""
     created = int(time.time())
-    exclude = None if body.include_usage else {"usage"}
-    text_offsets = [0] * request.n
-    num_output_tokens = [0] * request.n
-    num_cached_tokens = 0
+    exclude: set[str] = set() if body.include_usage else {"usage"}
+    num_choices = request.num_choices
+    text_offsets = [0] * num_choices
+    num_output_tokens = [0] * num_choices
+    num_cached_tokens = [0] * num_choices
+    started = [False] * num_choices
+    echo = _Echo(ctx, body, request) if body.echo else None
     async for delta in deltas:
+        index = delta.index
         logprobs = None
         if body.logprobs is not None:
             logprobs = completion_logprobs(
-                delta.logprobs, ctx.token_texts, text_offsets[delta.index]
+                delta.logprobs,
+                ctx.token_texts,
+                text_offsets[index],
+                body.return_tokens_as_token_ids,
             )
-            text_offsets[delta.index] += sum(len(t) for t in logprobs.tokens)
-        num_output_tokens[delta.index] = delta.num_output_tokens
-        if delta.index == 0:
-            num_cached_tokens = delta.num_cached_tokens
+            text_offsets[index] += sum(
+                len(ctx.token_texts.text(lp.token_id)) for lp in delta.logprobs
+            )
+        num_output_tokens[index] = delta.num_output_tokens
+        num_cached_tokens[index] = delta.num_cached_tokens
+        first = not started[index]
+        started[index] = True
         choice = CompletionChoice(
-            index=delta.index,
-            text=delta.text,
+            index=index,
+            text=(echo.text(index) if echo and first else "") + delta.text,
             logprobs=logprobs,
             finish_reason=delta.finish_reason,  # type: ignore[arg-type]
             stop_reason=delta.stop_reason,
+            prompt_token_ids=request.prompt_of(index) if body.return_token_ids and first else None,
+            token_ids=delta.token_ids if body.return_token_ids else None,
         )
         chunk = CompletionResponse(
             id=request.request_id, created=created, model=body.model, choices=[choice]
         )
-        yield chunk.model_dump_json(exclude=exclude)
+        yield chunk.model_dump_json(exclude=_chunk_exclusions(exclude, choice))
     if body.include_usage:
+        cached = sum(c for i, c in enumerate(num_cached_tokens) if i % request.n == 0)
         last = CompletionResponse(
             id=request.request_id,
             created=created,
             model=body.model,
             choices=[],
-            usage=usage(len(request.prompt_token_ids), num_cached_tokens, sum(num_output_tokens)),
+            usage=usage(num_prompt_tokens(request), cached, sum(num_output_tokens)),
         )
         yield last.model_dump_json()

@@ -59,7 +59,9 @@ class GatewayContext:
         n: int,
         cache_salt: str = "",
         priority: int = 0,
+        batch: tuple[list[int], ...] = (),
     ) -> GenerationRequest:
+        """batch: every prompt of a batched completions request (prompt_token_ids first)."""
         return GenerationRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
@@ -68,4 +70,5 @@ class GatewayContext:
             n=n,
             cache_salt=cache_salt,
             priority=priority,
+            batch=batch,
         )

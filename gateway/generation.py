@@ -1,6 +1,7 @@
 """GenerationPipeline: the request path from token ids to completion deltas.
 
-A request fans out into n child sequences. Each child is routed to a decode node and streamed
+A request fans out into n child sequences per prompt (a batched completions request has
+several prompts; child index = prompt index x n + sample index, as OpenAI numbers choices). Each child is routed to a decode node and streamed
 from its Generate call through a SequenceOutput (detokenizer + stop strings). A node that
 refuses the request (full, draining, gone) before any token is replaced by another; a node that
 fails mid-stream is replaced too, with the prompt plus the tokens generated so far and
@@ -56,6 +57,23 @@ class GenerationRequest:
     """time.monotonic() when the client's request arrived (latencies count from here)."""
     trace_context: Context | None = None
     """The request's root span at the gateway (None when tracing is off)."""
+    batch: tuple[list[int], ...] = ()
+    """Every prompt of a batched /v1/completions request (prompt_token_ids is batch[0]); empty
+    for one prompt."""
+
+    @property
+    def prompts(self) -> tuple[list[int], ...]:
+        """The request's prompts, in order."""
+        return self.batch or (self.prompt_token_ids,)
+
+    @property
+    def num_choices(self) -> int:
+        """Child sequences: n per prompt."""
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> list[int]:
+        """The prompt of child `index`."""
+        return self.prompts[index // self.n]
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -96,10 +114,10 @@ class GenerationPipeline:
         queue: asyncio.Queue[CompletionDelta | ApiError] = asyncio.Queue()
         tasks = [
             asyncio.create_task(self._run_child(request, i, queue.put_nowait))
-            for i in range(request.n)
+            for i in range(request.num_choices)
         ]
         try:
-            unfinished = request.n
+            unfinished = request.num_choices
             while unfinished:
                 item = await queue.get()
                 if isinstance(item, ApiError):
@@ -119,7 +137,8 @@ class GenerationPipeline:
             # A gateway-drawn seed makes a resubmitted sequence continue exactly.
             params.seed = self._rng.randint(0, _INT64_MAX)
         elif request.n > 1:
-            params.seed = child_seed(params.seed, index)  # as engine.llm fans out n
+            # As engine.llm fans out n; every prompt of a batch uses the same seeds.
+            params.seed = child_seed(params.seed, index % request.n)
         return params
 
     async def _run_child(
@@ -128,8 +147,8 @@ class GenerationPipeline:
         index: int,
         emit: Callable[[CompletionDelta | ApiError], None],
     ) -> None:
-        timer = self._metrics.sequence(request.arrival_s, len(request.prompt_token_ids))
-        child_id = child_request_id(request.request_id, index, request.n)
+        timer = self._metrics.sequence(request.arrival_s, len(request.prompt_of(index)))
+        child_id = child_request_id(request.request_id, index, request.num_choices)
         attributes = {"pdserve.request_id": child_id, "pdserve.index": index}
         span = tracing.start_span(
             "gateway.completion", request.trace_context, attributes=attributes
@@ -179,8 +198,8 @@ class GenerationPipeline:
         """Run one completion to its end, on as many decode nodes as it takes; returns its
         finish reason."""
         params = self._child_params(request, index)
-        seq = SequenceOutput(index, self._tokenizer, request.prompt_token_ids, params)
-        child_id = child_request_id(request.request_id, index, request.n)
+        seq = SequenceOutput(index, self._tokenizer, request.prompt_of(index), params)
+        child_id = child_request_id(request.request_id, index, request.num_choices)
         parent = tracing.context_of(span)
         failures: dict[str, str] = {}
         while True:
@@ -220,7 +239,7 @@ class GenerationPipeline:
     ) -> node_pb2.DecodeRequest:
         """The DecodeRequest for an attempt: a resubmission's prompt holds the tokens already
         generated, and its token limits shrink by as many."""
-        prompt = request.prompt_token_ids + seq.output_token_ids
+        prompt = seq.prompt_token_ids + seq.output_token_ids
         attempt_params = common_pb2.SamplingParams()
         attempt_params.CopyFrom(params)
         num_done = len(seq.output_token_ids)

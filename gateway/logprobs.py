@@ -7,7 +7,7 @@ Chat: content[] of {token, logprob, bytes, top_logprobs[]}.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.openai_api import ChatTokenLogprob, CompletionLogprobs, TopLogprob
@@ -69,36 +69,47 @@ class TokenTexts:
         return list(self._text(token_id).encode())
 
 
+def _namer(texts: TokenTexts, as_token_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or vLLM's "token_id:{id}"
+    (return_tokens_as_token_ids)."""
+    return (lambda token_id: f"token_id:{token_id}") if as_token_ids else texts.text
+
+
 def completion_logprobs(
-    entries: Sequence[common_pb2.TokenLogprob], texts: TokenTexts, text_offset: int
+    entries: Sequence[common_pb2.TokenLogprob],
+    texts: TokenTexts,
+    text_offset: int,
+    as_token_ids: bool = False,
 ) -> CompletionLogprobs:
     """The completions shape for entries, whose first token starts at text_offset characters
     into the completion. top_logprobs holds the sampled token plus the top ones, as vLLM's."""
+    name = _namer(texts, as_token_ids)
     out = CompletionLogprobs()
     for entry in entries:
-        token = texts.text(entry.token_id)
-        top = {texts.text(t.token_id): _clamp(t.logprob) for t in entry.top}
+        token = name(entry.token_id)
+        top = {name(t.token_id): _clamp(t.logprob) for t in entry.top}
         top[token] = _clamp(entry.logprob)
         out.tokens.append(token)
         out.token_logprobs.append(_clamp(entry.logprob))
         out.top_logprobs.append(top)
         out.text_offset.append(text_offset)
-        text_offset += len(token)
+        text_offset += len(texts.text(entry.token_id))
     return out
 
 
 def chat_logprobs(
-    entries: Sequence[common_pb2.TokenLogprob], texts: TokenTexts
+    entries: Sequence[common_pb2.TokenLogprob], texts: TokenTexts, as_token_ids: bool = False
 ) -> list[ChatTokenLogprob]:
     """The chat shape (choices[].logprobs.content) for entries."""
+    name = _namer(texts, as_token_ids)
     return [
         ChatTokenLogprob(
-            token=texts.text(entry.token_id),
+            token=name(entry.token_id),
             logprob=_clamp(entry.logprob),
             bytes=texts.bytes(entry.token_id),
             top_logprobs=[
                 TopLogprob(
-                    token=texts.text(t.token_id),
+                    token=name(t.token_id),
                     logprob=_clamp(t.logprob),
                     bytes=texts.bytes(t.token_id),
                 )

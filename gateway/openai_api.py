@@ -1,15 +1,28 @@
 """The OpenAI REST shapes: requests of /v1/completions and /v1/chat/completions (with vLLM's
 sampling extensions) and every response, streamed or not.
 
-Requests are parsed strictly (a string where a number belongs is a 400, not coerced) and
-unknown fields are ignored, as vLLM does.
+Requests are parsed strictly (a string where a number belongs is a 400, not coerced). Unknown
+fields are ignored with a logged warning, as vLLM does; fields we know but do not implement yet
+(tools, structured outputs, prompt_logprobs, ...) are a 400 naming them, never ignored. Every
+integer the nodes receive fits int32 (seeds int64), and no string may hold a lone surrogate.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import logging
+import re
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
+
+_INT32 = 1 << 31
+Int32 = Annotated[int, Field(ge=-_INT32, lt=_INT32)]
+"""An integer the wire carries as int32: larger ones are a 400, not a failure later."""
+TokenId = Annotated[int, Field(ge=0, lt=_INT32)]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+LOGIT_BIAS_LIMIT = 100.0
 
 MAX_N = 16
 """Most completions one request may ask for."""
@@ -25,13 +38,93 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+def _find_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string (or key) in value holding a lone surrogate, if any."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return where
+            found = _find_surrogate(item, where)
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _find_surrogate(item, f"{path}.[{i}]" if path else f"[{i}]")
+            if found:
+                return found
+    return None
+
+
+class TopLevelRequest(_Request):
+    """A whole request body: checked for lone surrogates (they cannot be encoded, so the
+    tokenizer and the wire would fail on them), and unknown fields logged."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            where = _find_surrogate(data, "")
+            if where is not None:
+                where = where.encode("utf-8", "backslashreplace").decode()  # a key may hold it
+                raise ValueError(f"{where} holds a lone surrogate (not valid Unicode)")
+            unknown = sorted(set(data) - set(cls.model_fields))
+            if unknown:
+                logger.warning("fields present in the request but ignored: %s", unknown)
+        return data
+
+
+UNSUPPORTED_FIELDS = (
+    "tools",
+    "functions",
+    "function_call",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+    "structured_outputs",
+    "prompt_logprobs",
+    "use_beam_search",
+    "logits_processors",
+    "prompt_embeds",
+    "chat_template",
+    "documents",
+    "mm_processor_kwargs",
+    "vllm_xargs",
+    "kv_transfer_params",
+)
+"""Parameters of OpenAI's or vLLM's API that pdserve does not implement yet: a 400 naming
+them when set, never silently ignored."""
+
+
+_ENDPOINT_ONLY = (
+    "tools",
+    "functions",
+    "function_call",
+    "chat_template",
+    "documents",
+    "mm_processor_kwargs",
+)
+"""The unsupported fields only chat requests have."""
+
+
+def _reject_unsupported(cls: Any, value: Any, info: Any) -> Any:
+    if value is not None and value is not False:
+        raise ValueError(f"{info.field_name} is not supported by this server yet")
+    return value
+
+
 class StreamOptions(_Request):
     """stream_options: include_usage adds a last chunk with empty choices and the usage."""
 
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class SamplingRequest(TopLevelRequest):
     """The fields both endpoints share: OpenAI's, then vLLM's extensions."""
 
     model: str
@@ -47,15 +140,42 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int32 | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: Int32 = Field(0, ge=0)
+    stop_token_ids: list[Int32] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    return_token_ids: bool = False
+    """vLLM: the prompt's and each choice's token ids in the response."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM: logprobs name tokens "token_id:{id}" instead of by their text."""
+    truncate_prompt_tokens: Int32 | None = Field(None, ge=1)
+    """vLLM: keep only the prompt's last k tokens."""
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Int32 = 0
+    # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structured_outputs: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    logits_processors: Any = None
+    prompt_embeds: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+
+    _check_unsupported = field_validator(
+        *(f for f in UNSUPPORTED_FIELDS if f not in _ENDPOINT_ONLY), mode="before"
+    )(_reject_unsupported)
 
     @field_validator("stop")
     @classmethod
@@ -74,9 +194,22 @@ class SamplingRequest(_Request):
     @field_validator("logit_bias")
     @classmethod
     def _check_logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        if bias:
-            raise ValueError("logit_bias is not supported")
+        for key, value in (bias or {}).items():
+            if not key.isascii() or not key.isdigit() or int(key) >= _INT32:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise ValueError(
+                    f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                    f"{LOGIT_BIAS_LIMIT:g}], got {value}"
+                )
         return bias
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _check_allowed(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not ids:
+            raise ValueError("allowed_token_ids must not be empty")
+        return ids
 
     @property
     def stop_strings(self) -> list[str]:
@@ -92,19 +225,12 @@ class SamplingRequest(_Request):
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int32 | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
-
-    @field_validator("echo")
-    @classmethod
-    def _check_echo(cls, echo: bool) -> bool:
-        if echo:
-            raise ValueError("echo is not supported")
-        return echo
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
 
     @field_validator("suffix")
     @classmethod
@@ -115,9 +241,23 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed")
         return self
+
+    @model_validator(mode="after")
+    def _check_echo(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            # The prompt's logprobs would need prompt_logprobs, which the engine lacks.
+            raise ValueError("echo with logprobs is not supported by this server yet")
+        return self
+
+    @property
+    def num_candidates(self) -> int:
+        """Completions generated per prompt (best_of; n of them are returned)."""
+        return self.best_of or self.n
 
 
 class ContentPart(_Request):
@@ -152,33 +292,70 @@ class ChatMessage(_Request):
         return "\n".join(part.text or "" for part in self.content)
 
 
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}
+)
+"""Template variables the gateway itself sets: chat_template_kwargs may not name them."""
+
+
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int32 | None = Field(None, ge=1)
+    max_completion_tokens: Int32 | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
     # vLLM extensions
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
+    tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    mm_processor_kwargs: Any = None
 
-    @field_validator("tools")
-    @classmethod
-    def _check_tools(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if tools:
-            raise ValueError("tools are not supported")
-        return tools
+    _check_chat_unsupported = field_validator(*_ENDPOINT_ONLY, mode="before")(_reject_unsupported)
 
     @field_validator("response_format")
     @classmethod
     def _check_response_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
         if fmt is not None and fmt.get("type", "text") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+            raise ValueError(
+                f"response_format type {fmt.get('type')!r} (structured outputs) is not "
+                "supported by this server yet; only 'text' is"
+            )
         return fmt
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice(cls, choice: Any) -> Any:
+        if choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported by this server yet")
+        return choice
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+        clash = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
+        if clash:
+            raise ValueError(
+                f"chat_template_kwargs may not set {clash}: use the request's own fields"
+            )
+        return kwargs
+
+    @model_validator(mode="after")
+    def _check_continue_final_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
 
     @model_validator(mode="after")
     def _check_top_logprobs(self) -> ChatCompletionRequest:
@@ -229,6 +406,10 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     """vLLM's extension: the stop string or stop token id that ended the completion."""
+    prompt_token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the choice's prompt (streamed: in its first chunk only)."""
+    token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the choice's generated tokens (streamed: the new ones)."""
 
 
 class CompletionResponse(BaseModel):
@@ -282,6 +463,8 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the generated tokens."""
 
 
 class ChatCompletionResponse(BaseModel):
@@ -293,6 +476,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the templated prompt."""
 
 
 class DeltaMessage(BaseModel):
@@ -310,6 +495,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the tokens this chunk adds."""
 
 
 class ChatCompletionChunk(BaseModel):
@@ -321,6 +508,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """vLLM's return_token_ids: the prompt, in the first chunk only."""
 
 
 class ModelCard(BaseModel):

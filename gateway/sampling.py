@@ -5,8 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.errors import ApiError
-from pdserve.gateway.openai_api import MAX_LOGPROBS, MAX_STOP_STRINGS, SamplingRequest
+from pdserve.gateway.openai_api import (
+    LOGIT_BIAS_LIMIT,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    SamplingRequest,
+)
 from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (
@@ -46,7 +52,11 @@ def to_sampling_params(
         stop=request.stop_strings,
         ignore_eos=request.ignore_eos,
         skip_special_tokens=request.skip_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        allowed_token_ids=request.allowed_token_ids or [],
     )
+    for token, bias in (request.logit_bias or {}).items():
+        params.logit_bias[int(token)] = bias
     for name in _OPTIONAL_FIELDS:
         value = getattr(request, name)
         if value is not None:
@@ -54,6 +64,57 @@ def to_sampling_params(
     if logprobs is not None:
         params.logprobs = logprobs
     return params
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM forms them: the word as written (leading spaces
+    stripped), and also with one leading space where that tokenizes to a different first token
+    but as many tokens (a word mid-sentence)."""
+    sequences: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            continue
+        sequences.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
+
+
+def add_token_constraints(
+    params: common_pb2.SamplingParams, request: SamplingRequest, tokenizer: Tokenizer
+) -> None:
+    """Tokenize the request's bad words into params, and check every token id that
+    logit_bias, allowed_token_ids and bad words name against the vocabulary (a 400)."""
+    for ids in bad_words_token_ids(tokenizer, request.bad_words or []):
+        params.bad_words.add(token_ids=ids)
+    check_token_constraints(params, tokenizer.vocab_size)
+
+
+def check_token_constraints(params: common_pb2.SamplingParams, vocab_size: int) -> None:
+    """A 400 naming the first field whose token ids fall outside [0, vocab_size), or whose
+    values are out of range (REST requests were range-checked when parsed; gRPC ones not)."""
+    named = {
+        "logit_bias": list(params.logit_bias),
+        "allowed_token_ids": list(params.allowed_token_ids),
+        "bad_words": [t for word in params.bad_words for t in word.token_ids],
+    }
+    for name, ids in named.items():
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ApiError.bad_request(
+                f"{name}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", name
+            )
+    for token, bias in params.logit_bias.items():
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ApiError.bad_request(
+                f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                f"got {bias} for token {token}",
+                "logit_bias",
+            )
+    if any(not word.token_ids for word in params.bad_words):
+        raise ApiError.bad_request("bad_words must not hold an empty sequence", "bad_words")
 
 
 def check_sampling_params(params: common_pb2.SamplingParams) -> None:

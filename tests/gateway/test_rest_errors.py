@@ -45,13 +45,21 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("/v1/completions", completion(stop=5), 400, None),
     ("/v1/completions", completion(logprobs=21), 400, "logprobs"),
-    ("/v1/completions", completion(echo=True), 400, "echo"),
+    ("/v1/completions", completion(echo=True, logprobs=1), 400, None),
     ("/v1/completions", completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("/v1/completions", completion(min_tokens=5, max_tokens=3), 400, "min_tokens"),
-    ("/v1/completions", completion(logit_bias={"5": 1.0}), 400, "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"5": 101.0}), 400, "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"x": 1.0}), 400, "logit_bias"),
+    ("/v1/completions", completion(logit_bias={"99999": 1.0}), 400, "logit_bias"),
+    ("/v1/completions", completion(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("/v1/completions", completion(allowed_token_ids=[5, 99999]), 400, "allowed_token_ids"),
+    ("/v1/completions", completion(best_of=1, n=2), 400, None),
+    ("/v1/completions", completion(best_of=3, n=2, stream=True), 400, None),
     ("/v1/completions", completion(prompt=[]), 400, "prompt"),
     ("/v1/completions", completion(prompt=[1, 99999]), 400, "prompt"),
-    ("/v1/completions", completion(prompt=["a", "b"]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=["a", [5, 6]]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=[[5, 6], []]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=["a"] * 65), 400, "prompt"),
     ("/v1/completions", completion(prompt=[1] * 500, max_tokens=100), 400, "prompt"),
     ("/v1/completions", completion(model="other"), 404, "model"),
     ("/v1/chat/completions", chat(messages=[]), 400, "messages"),
@@ -67,12 +75,70 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/chat/completions", chat(top_logprobs=21, logprobs=True), 400, "top_logprobs"),
     ("/v1/chat/completions", chat(max_completion_tokens=1000), 400, "messages"),
     ("/v1/chat/completions", chat(tools=[{"type": "function"}]), 400, "tools"),
+    # Unsupported parameters are named, never silently ignored.
+    ("/v1/chat/completions", chat(tool_choice="required"), 400, "tool_choice"),
+    ("/v1/chat/completions", chat(response_format={"type": "json_object"}), 400, None),
+    (
+        "/v1/chat/completions",
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format",
+    ),
+    ("/v1/chat/completions", chat(guided_choice=["a", "b"]), 400, "guided_choice"),
+    ("/v1/completions", completion(guided_json={"type": "object"}), 400, "guided_json"),
+    ("/v1/completions", completion(guided_regex="a+"), 400, "guided_regex"),
+    ("/v1/completions", completion(structured_outputs={"choice": ["a"]}), 400, None),
+    ("/v1/completions", completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("/v1/completions", completion(use_beam_search=True), 400, "use_beam_search"),
+    ("/v1/chat/completions", chat(chat_template="{{ 1 }}"), 400, "chat_template"),
+    # chat_template_kwargs may not collide with what the gateway passes the template.
+    ("/v1/chat/completions", chat(chat_template_kwargs={"messages": []}), 400, None),
+    (
+        "/v1/chat/completions",
+        chat(chat_template_kwargs={"add_generation_prompt": False}),
+        400,
+        "chat_template_kwargs",
+    ),
+    ("/v1/chat/completions", chat(continue_final_message=True), 400, None),
+    (
+        "/v1/chat/completions",
+        chat(continue_final_message=True, add_generation_prompt=False),  # last is the user's
+        400,
+        None,
+    ),
+    # Lone surrogates anywhere; integers past int32 (int64 for seed) in any integer field.
+    ("/v1/completions", completion(prompt="a\ud800b"), 400, None),
+    ("/v1/completions", completion(stop=["\udfff"]), 400, None),
+    ("/v1/completions", completion(user="\ud800"), 400, None),
+    ("/v1/completions", completion(bad_words=["\ud800"]), 400, None),
+    ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "\ud83d"}]), 400, None),
+    ("/v1/chat/completions", chat(chat_template_kwargs={"\ud800": 1}), 400, None),
+    ("/v1/completions", completion(max_tokens=2**31), 400, "max_tokens"),
+    ("/v1/completions", completion(top_k=2**31), 400, "top_k"),
+    ("/v1/completions", completion(min_tokens=2**31), 400, "min_tokens"),
+    ("/v1/completions", completion(priority=2**31), 400, "priority"),
+    ("/v1/completions", completion(priority=-(2**31) - 1), 400, "priority"),
+    ("/v1/completions", completion(stop_token_ids=[2**31]), 400, None),
+    ("/v1/completions", completion(prompt=[2**31]), 400, "prompt"),
+    ("/v1/completions", completion(prompt=[[1, 2**40]]), 400, "prompt"),
+    ("/v1/completions", completion(seed=2**63), 400, "seed"),
+    ("/v1/completions", completion(logprobs=2**31), 400, "logprobs"),
+    ("/v1/completions", completion(n=2**31), 400, "n"),
+    ("/v1/completions", completion(best_of=2**31), 400, "best_of"),
+    ("/v1/completions", completion(truncate_prompt_tokens=2**31), 400, None),
+    ("/v1/chat/completions", chat(max_completion_tokens=2**31), 400, None),
+    ("/v1/chat/completions", chat(top_logprobs=2**31, logprobs=True), 400, "top_logprobs"),
     ("/v1/chat/completions", chat(model="other"), 404, "model"),
 ]
 
 
+def _encode(body: Any) -> bytes:
+    """JSON with surrogates written as \\u escapes (a lone one cannot be UTF-8 encoded)."""
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
+
+
 def _send(client: httpx.Client, path: str, body: Any) -> httpx.Response:
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    content = _encode(body)
     return client.post(path, content=content, headers={"Content-Type": "application/json"})
 
 
@@ -113,7 +179,7 @@ def test_mixed_concurrent_good_and_bad(gw: Cluster) -> None:
     rng.shuffle(cases)
 
     async def one(client: httpx.AsyncClient, path: str, body: Any) -> httpx.Response:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        content = _encode(body)
         return await client.post(
             path, content=content, headers={"Content-Type": "application/json"}
         )
