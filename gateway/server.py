@@ -35,6 +35,7 @@ from pdserve.gateway.openai_api import (
 )
 from pdserve.gateway.request_trace import RequestTrace
 from pdserve.gateway.sequence import CompletionDelta
+from pdserve.gateway.vllm_api import add_vllm_routes
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +278,7 @@ def build_app(ctx: GatewayContext) -> FastAPI:
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     app.add_api_route("/metrics/targets", scrape_targets, methods=["GET"])
     add_dashboard_routes(app, ctx)
+    add_vllm_routes(app, ctx)
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
