@@ -47,7 +47,12 @@ _NAME = "pdserve_cpu_attention"
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     os.path.join(_HERE, name)
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "sampling_ops.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "fused_ops.cpp",
+        "sampling_ops.cpp",
+    )
 ]
 _HEADERS = [os.path.join(_HERE, "vec.h")]
 

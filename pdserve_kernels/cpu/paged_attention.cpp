@@ -524,6 +524,11 @@ torch::Tensor silu_and_mul(torch::Tensor x);
 bool fused_ops_vectorized();
 // sampling_ops.cpp
 torch::Tensor argmax_rows(torch::Tensor x);
+// prefill_attention.cpp
+void paged_prefill_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor query_start,
+                                 torch::Tensor query_len, torch::Tensor context_len,
+                                 torch::Tensor block_tables, double scale, torch::Tensor out,
+                                 int64_t window);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -534,6 +539,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_decode_attention into out (q and out may be row-strided views)", py::arg("q"),
         py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("out"), py::arg("window") = 0);
+  m.def("paged_prefill_attention_out", &paged_prefill_attention_out,
+        "causal attention of every prefill's query rows over its paged context, into out's rows",
+        py::arg("q"), py::arg("cache"), py::arg("query_start"), py::arg("query_len"),
+        py::arg("context_len"), py::arg("block_tables"), py::arg("scale"), py::arg("out"),
+        py::arg("window") = 0);
   m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
   m.def("fused_add_rms_norm", &fused_add_rms_norm,

@@ -1,0 +1,522 @@
+// Paged prefill attention on the CPU: causal attention of every multi-token query of a step
+// (plain prefill, a chunk of a chunked prefill, the uncached tail of a prefix-cache hit) over
+// its sequence's K/V, read straight out of the paged cache (the step's K/V are stored first,
+// by store_kv). One call covers every prefill of the step. FlashAttention's tiling:
+//
+//   task  = (sequence, kv head, tile of kQueryTile query rows); the query heads of the kv head's
+//           group are stacked into one M = group * rows matrix, so each K/V tile is loaded once
+//           for the whole group (GQA without repeating K/V);
+//   tiles = kKeyTile keys at a time, over the keys the task's rows can see only: tiles before
+//           the first row's window or past the last row's position are never read, nor are
+//           blocks past the sequence's context; each tile is packed (transposed, widened or
+//           paired for the bf16 dot product) into a small buffer: the only copy, L1-sized;
+//   math  = S = Q K^T and O += P V as register-blocked micro-kernels, an online softmax per row
+//           (fp32 running max and sum, the fp32 accumulator rescaled when the max grows); the
+//           diagonal tile and the window's edge are masked per row.
+//
+// Tasks are ordered by cost (longest first) and handed out dynamically to torch's threads, so
+// one long prompt keeps every core busy. bf16 with AVX512_BF16: both products with the bf16
+// dot-product instruction (P rounded to bf16, as FlashAttention does on GPUs; fp32 sums).
+// AVX-512 otherwise: fp32 FMA micro-kernels. Elsewhere (or head_dim % 16 != 0): the same
+// tiling with plain loops the compiler vectorises for its target (AVX2 ...).
+//
+// Layout (engine/attention.py): cache [num_blocks, 2, num_kv_heads, block_size, head_dim];
+// q / out [num_tokens, num_q_heads, head_dim] (packed heads, any row stride); sequence s has
+// query rows [query_start[s], query_start[s] + query_len[s]) at positions
+// [context_len[s] - query_len[s], context_len[s]) and keys at positions [0, context_len[s]) in
+// the blocks block_tables[s, :]. Sliding window (window > 0): the query at position p sees
+// keys in (p - window, p].
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "vec.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace pdserve_cpu;
+
+constexpr int64_t kQueryTile = 32;  // query rows per task (times the group's heads)
+constexpr int64_t kKeyTile = 64;    // keys per K/V tile: S and P rows are 64 wide
+constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
+
+// The query rows [q_begin, q_end) (indices within the sequence's chunk) of sequence seq,
+// against kv head kv_head.
+struct Task {
+  int64_t seq, kv_head, q_begin, q_end, cost;
+};
+
+// Everything a task reads and writes, shared by the tasks of one call.
+template <typename T>
+struct Batch {
+  const T* q;
+  int64_t q_row;
+  T* out;
+  int64_t out_row;
+  const T* cache;
+  int64_t num_kv_heads, block_size, head_dim, group;
+  const int64_t* query_start;
+  const int64_t* query_len;
+  const int64_t* context_len;
+  const int64_t* tables;
+  int64_t table_stride;
+  float scale;
+  int64_t window;
+};
+
+// Half-open key range [lo, hi) the query at position p sees.
+inline int64_t first_visible(int64_t p, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+}
+
+// ---- micro-kernels -------------------------------------------------------------------------
+// Math element E: float (K packed transposed [D, 64], V [64, D]) or, for the bf16 dot
+// product, c10::BFloat16 (K packed in pairs [D/2, 64, 2], V in pairs [32, D, 2], P bf16).
+// Q is [M, D] of E; S and P rows are kKeyTile wide; acc is [M, D] fp32.
+
+// Plain loops (any target, any head_dim): S = Q K^T.
+inline void scores_plain(const float* q, const float* kt, float* s, int64_t m, int64_t d) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* row = s + r * kKeyTile;
+    std::fill(row, row + kKeyTile, 0.f);
+    for (int64_t i = 0; i < d; ++i) {
+      const float a = q[r * d + i];
+      const float* k = kt + i * kKeyTile;
+#pragma omp simd
+      for (int64_t j = 0; j < kKeyTile; ++j) row[j] += a * k[j];
+    }
+  }
+}
+
+// Plain loops: acc = acc * rescale + P V over the tile's nk keys.
+inline void accumulate_plain(float* acc, const float* rescale, const float* p, const float* v,
+                             int64_t m, int64_t d, int64_t nk) {
+  for (int64_t r = 0; r < m; ++r) {
+    float* a = acc + r * d;
+    const float f = rescale[r];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) a[i] *= f;
+    for (int64_t j = 0; j < nk; ++j) {
+      const float w = p[r * kKeyTile + j];
+      const float* vj = v + j * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) a[i] += w * vj[i];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// R query rows x 64 keys of S in 4R accumulators (R <= 6), K rows loaded once for R rows.
+template <int kD, int R>
+inline void scores_rows(const float* q, const float* kt, float* s) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < kD; ++i) {
+    __m512 k[4];
+    for (int c = 0; c < 4; ++c) k[c] = _mm512_loadu_ps(kt + i * kKeyTile + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512 b = _mm512_set1_ps(q[r * kD + i]);
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_fmadd_ps(b, k[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + 16 * c, a[r][c]);
+}
+
+#if defined(__AVX512BF16__)
+inline __m512bh broadcast_pair(const c10::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// bf16: one dpbf16 per (row, 16 keys, 2 dims); kp is [D/2, 64 keys, 2].
+template <int kD, int R>
+inline void scores_rows(const c10::BFloat16* q, const c10::BFloat16* kp, float* s) {
+  __m512 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < kD / 2; ++i) {
+    __m512bh k[4];
+    for (int c = 0; c < 4; ++c)
+      k[c] = (__m512bh)_mm512_loadu_si512(kp + i * 2 * kKeyTile + 32 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh b = broadcast_pair(q + r * kD + 2 * i);
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], b, k[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + 16 * c, a[r][c]);
+}
+#endif
+
+// Rows of acc updated at once: R x D/16 accumulators stay in registers (<= 24 of 32).
+template <int kD>
+constexpr int kAccRows = std::max(1, std::min(6, 24 / (kD / 16)));
+
+// R rows of acc: acc = acc * rescale + P V, each V row slice loaded once for R rows.
+template <int kD, int R>
+inline void accumulate_rows(float* acc, const float* rescale, const float* p, const float* v,
+                            int64_t nk) {
+  constexpr int kC = kD / 16;
+  __m512 a[R][kC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kC; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * c), _mm512_set1_ps(rescale[r]));
+  for (int64_t j = 0; j < nk; ++j) {
+    for (int c = 0; c < kC; ++c) {
+      const __m512 vj = _mm512_loadu_ps(v + j * kD + 16 * c);
+      for (int r = 0; r < R; ++r)
+        a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * kKeyTile + j]), vj, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + r * kD + 16 * c, a[r][c]);
+}
+
+#if defined(__AVX512BF16__)
+// bf16: vp is [32 key pairs, D, 2], p rows bf16 (zero past nk, so an odd tail pairs with 0).
+template <int kD, int R>
+inline void accumulate_rows(float* acc, const float* rescale, const c10::BFloat16* p,
+                            const c10::BFloat16* vp, int64_t nk) {
+  constexpr int kC = kD / 16;
+  __m512 a[R][kC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kC; ++c)
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * c), _mm512_set1_ps(rescale[r]));
+  for (int64_t j = 0; j < (nk + 1) / 2; ++j) {
+    for (int c = 0; c < kC; ++c) {
+      const __m512bh vj = (__m512bh)_mm512_loadu_si512(vp + j * 2 * kD + 32 * c);
+      for (int r = 0; r < R; ++r)
+        a[r][c] = _mm512_dpbf16_ps(a[r][c], broadcast_pair(p + r * kKeyTile + 2 * j), vj);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kC; ++c) _mm512_storeu_ps(acc + r * kD + 16 * c, a[r][c]);
+}
+#endif
+
+// Runs f.template operator()<R>(row) over rows [0, m) in chunks of kMax, the tail by switch.
+template <int kMax, typename F>
+inline void row_chunks(int64_t m, F&& f) {
+  int64_t r = 0;
+  for (; r + kMax <= m; r += kMax) f(std::integral_constant<int, kMax>{}, r);
+  switch (m - r) {
+    case 0: return;
+    case 1: return f(std::integral_constant<int, 1>{}, r);
+    case 2: if constexpr (kMax > 2) return f(std::integral_constant<int, 2>{}, r); break;
+    case 3: if constexpr (kMax > 3) return f(std::integral_constant<int, 3>{}, r); break;
+    case 4: if constexpr (kMax > 4) return f(std::integral_constant<int, 4>{}, r); break;
+    case 5: if constexpr (kMax > 5) return f(std::integral_constant<int, 5>{}, r); break;
+  }
+}
+#endif  // __AVX512F__
+
+// Whether head_dim kD takes the AVX-512 micro-kernels (E == bf16 needs AVX512_BF16 too).
+template <typename E, int kD>
+constexpr bool kVectorKernels =
+#if defined(__AVX512F__)
+    kD > 0 && kD % 16 == 0 &&
+#if defined(__AVX512BF16__)
+    true;
+#else
+    std::is_same_v<E, float>;
+#endif
+#else
+    false;
+#endif
+
+template <typename E, int kD>
+inline void scores(const E* q, const E* k, float* s, int64_t m, int64_t d) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorKernels<E, kD>) {
+    row_chunks<6>(m, [&](auto rows, int64_t r) {
+      scores_rows<kD, decltype(rows)::value>(q + r * kD, k, s + r * kKeyTile);
+    });
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<E, float>) scores_plain(q, k, s, m, d);
+}
+
+template <typename E, int kD>
+inline void accumulate(float* acc, const float* rescale, const E* p, const E* v, int64_t m,
+                       int64_t d, int64_t nk) {
+#if defined(__AVX512F__)
+  if constexpr (kVectorKernels<E, kD>) {
+    row_chunks<kAccRows<kD>>(m, [&](auto rows, int64_t r) {
+      accumulate_rows<kD, decltype(rows)::value>(acc + r * kD, rescale + r, p + r * kKeyTile, v,
+                                                 nk);
+    });
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<E, float>) accumulate_plain(acc, rescale, p, v, m, d, nk);
+}
+
+// ---- one task ------------------------------------------------------------------------------
+
+// Per-thread buffers, reused across tasks.
+template <typename E>
+struct Scratch {
+  std::vector<E> q, k, v, p;  // [M, D], packed K and V tiles, P [M, 64] (bf16 only)
+  std::vector<float> s, acc, row_max, row_sum, rescale;
+  void size(int64_t m, int64_t d) {
+    q.resize(m * d);
+    k.resize(kKeyTile * d);
+    v.resize(kKeyTile * d);
+    p.resize(m * kKeyTile);
+    s.resize(m * kKeyTile);
+    acc.resize(m * d);
+    row_max.resize(m);
+    row_sum.resize(m);
+    rescale.resize(m);
+  }
+};
+
+// Packs keys [start, start + nk) of one kv head: K transposed (float: [D, 64]; bf16: [D/2, 64, 2])
+// and V (float: [64, D]; bf16: [32, D, 2]), zero past nk. Reads only the blocks holding them.
+template <typename T, typename E>
+void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t start,
+               int64_t nk, E* kp, E* vp) {
+  const int64_t d = b.head_dim, bs = b.block_size;
+  const int64_t head_stride = bs * d, kv_stride = b.num_kv_heads * head_stride;
+  constexpr bool kPairs = !std::is_same_v<E, float>;
+  std::fill(kp, kp + kKeyTile * d, E(0.f));
+  if (nk < kKeyTile) std::fill(vp, vp + kKeyTile * d, E(0.f));
+  for (int64_t j = 0; j < nk;) {
+    const int64_t pos = start + j, in_block = pos % bs;
+    const int64_t n = std::min(bs - in_block, nk - j);  // rows of this block in the tile
+    const T* krows = b.cache + table[pos / bs] * 2 * kv_stride + kv_head * head_stride +
+                     in_block * d;
+    const T* vrows = krows + kv_stride;
+    for (int64_t jj = j; jj < j + n; ++jj, krows += d, vrows += d) {
+      for (int64_t i = 0; i < d; ++i) {
+        if constexpr (kPairs) {
+          kp[(i / 2) * 2 * kKeyTile + 2 * jj + (i & 1)] = krows[i];
+          vp[(jj / 2) * 2 * d + 2 * i + (jj & 1)] = vrows[i];
+        } else {
+          kp[i * kKeyTile + jj] = to_float(krows[i]);
+          vp[jj * d + i] = to_float(vrows[i]);
+        }
+      }
+    }
+    j += n;
+  }
+}
+
+// Online softmax of one tile's scores s (in place: s becomes P; bf16 also rounds P into p) for
+// rows [0, m): row r (query row r % rows, at position p0 + r % rows) sees tile keys [lo, hi);
+// its P row is exp(s - max) there and 0 elsewhere. Updates the row's running max and sum and
+// sets rescale[r], the factor its accumulator takes before this tile's P V is added.
+template <typename E>
+void softmax_tile(float* s, E* p, float* row_max, float* row_sum, float* rescale, int64_t m,
+                  int64_t rows, int64_t p0, int64_t start, int64_t nk, int64_t window,
+                  float score_scale) {
+  for (int64_t r = 0; r < m; ++r) {
+    const int64_t pos = p0 + r % rows;
+    const int64_t lo = std::max<int64_t>(0, first_visible(pos, window) - start);
+    const int64_t hi = std::min<int64_t>(nk, pos + 1 - start);
+    float* sr = s + r * kKeyTile;
+    if (lo >= hi) {  // this row sees no key of the tile
+      rescale[r] = 1.f;
+      std::fill(sr, sr + kKeyTile, 0.f);
+    } else {
+      float mx = row_max[r];
+      for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, sr[j] * score_scale);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        const float e = expf(sr[j] * score_scale - mx);  // libmvec under -ffast-math
+        sr[j] = (j >= lo && j < hi) ? e : 0.f;
+        sum += sr[j];
+      }
+      rescale[r] = expf(row_max[r] - mx);  // ~0 on a row's first tile (row_max = kNoScore)
+      row_sum[r] = row_sum[r] * rescale[r] + sum;
+      row_max[r] = mx;
+    }
+    if constexpr (!std::is_same_v<E, float>)
+      for (int64_t j = 0; j < kKeyTile; ++j) p[r * kKeyTile + j] = static_cast<E>(sr[j]);
+  }
+}
+
+template <typename T, typename E, int kD>
+void run_task(const Batch<T>& b, const Task& t, Scratch<E>& w) {
+  const int64_t d = kD > 0 ? kD : b.head_dim, group = b.group;
+  const int64_t rows = t.q_end - t.q_begin, m = group * rows;  // M: row g * rows + i
+  const int64_t qlen = b.query_len[t.seq], ctx = b.context_len[t.seq];
+  const int64_t p0 = ctx - qlen + t.q_begin;  // position of the task's first query row
+  const int64_t* table = b.tables + t.seq * b.table_stride;
+  const int64_t first_token = b.query_start[t.seq] + t.q_begin;
+  const int64_t first_head = t.kv_head * group;
+  constexpr bool kFloat = std::is_same_v<E, float>;
+  // bf16 products take Q as stored (scaling it would round it again); float Q is pre-scaled.
+  const float q_scale = kFloat ? b.scale : 1.f, score_scale = kFloat ? 1.f : b.scale;
+  w.size(m, d);
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < rows; ++i) {
+      const T* src = b.q + (first_token + i) * b.q_row + (first_head + g) * d;
+      E* dst = w.q.data() + (g * rows + i) * d;
+      for (int64_t x = 0; x < d; ++x) {
+        if constexpr (kFloat) dst[x] = to_float(src[x]) * q_scale;
+        else dst[x] = src[x];
+      }
+    }
+  std::fill(w.acc.begin(), w.acc.end(), 0.f);
+  std::fill(w.row_max.begin(), w.row_max.end(), kNoScore);
+  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
+  const int64_t key_end = p0 + rows;  // past the last row's position
+  E* p = kFloat ? reinterpret_cast<E*>(w.s.data()) : w.p.data();
+  for (int64_t start = first_visible(p0, b.window); start < key_end; start += kKeyTile) {
+    const int64_t nk = std::min(kKeyTile, key_end - start);
+    pack_tile(b, table, t.kv_head, start, nk, w.k.data(), w.v.data());
+    scores<E, kD>(w.q.data(), w.k.data(), w.s.data(), m, d);
+    softmax_tile(w.s.data(), p, w.row_max.data(), w.row_sum.data(), w.rescale.data(), m, rows,
+                 p0, start, nk, b.window, score_scale);
+    accumulate<E, kD>(w.acc.data(), w.rescale.data(), p, w.v.data(), m, d, nk);
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = g * rows + i;
+      const float inv = 1.f / w.row_sum[r];  // > 0: every row sees its own position
+      T* dst = b.out + (first_token + i) * b.out_row + (first_head + g) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = static_cast<T>(w.acc[r * d + x] * inv);
+    }
+}
+
+// ---- the call ------------------------------------------------------------------------------
+
+template <typename T>
+std::vector<Task> make_tasks(const Batch<T>& b, int64_t num_seqs) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = b.query_len[s], first_pos = b.context_len[s] - qlen;
+    for (int64_t q0 = 0; q0 < qlen; q0 += kQueryTile) {
+      const int64_t q1 = std::min(qlen, q0 + kQueryTile);
+      const int64_t keys = first_pos + q1 - first_visible(first_pos + q0, b.window);
+      const int64_t cost = (q1 - q0) * (keys + kKeyTile);  // + kKeyTile: the task's fixed cost
+      for (int64_t h = 0; h < b.num_kv_heads; ++h) tasks.push_back({s, h, q0, q1, cost});
+    }
+  }
+  // Longest first, then dynamic: the threads finish within about one short task of each other.
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  return tasks;
+}
+
+template <typename T, typename E, int kD>
+void prefill(const Batch<T>& b, int64_t num_seqs) {
+  const std::vector<Task> tasks = make_tasks(b, num_seqs);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const FlushDenormals flush;
+    Scratch<E> scratch;
+    for (int64_t i = next++; i < n; i = next++) run_task<T, E, kD>(b, tasks[i], scratch);
+  });
+}
+
+template <typename T, int kD>
+void prefill_math(const Batch<T>& b, int64_t num_seqs) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && kVectorKernels<c10::BFloat16, kD>)
+    prefill<T, c10::BFloat16, kD>(b, num_seqs);  // bf16 dot products
+  else
+    prefill<T, float, kD>(b, num_seqs);
+}
+
+template <typename T>
+void prefill_dispatch(const Batch<T>& b, int64_t num_seqs) {
+  switch (b.head_dim) {  // common head sizes get the register-blocked micro-kernels
+    case 64: return prefill_math<T, 64>(b, num_seqs);
+    case 128: return prefill_math<T, 128>(b, num_seqs);
+    case 32: return prefill_math<T, 32>(b, num_seqs);
+    case 256: return prefill_math<T, 256>(b, num_seqs);  // Gemma 3
+    default: return prefill_math<T, 0>(b, num_seqs);
+  }
+}
+
+template <typename T>
+Batch<T> make_batch(const torch::Tensor& q, const torch::Tensor& cache,
+                    const torch::Tensor& query_start, const torch::Tensor& query_len,
+                    const torch::Tensor& context_len, const torch::Tensor& tables, double scale,
+                    torch::Tensor& out, int64_t window) {
+  return Batch<T>{q.data_ptr<T>(),
+                  q.stride(0),
+                  out.data_ptr<T>(),
+                  out.stride(0),
+                  cache.data_ptr<T>(),
+                  cache.size(2),
+                  cache.size(3),
+                  cache.size(4),
+                  q.size(1) / cache.size(2),
+                  query_start.data_ptr<int64_t>(),
+                  query_len.data_ptr<int64_t>(),
+                  context_len.data_ptr<int64_t>(),
+                  tables.data_ptr<int64_t>(),
+                  tables.size(1),
+                  static_cast<float>(scale),
+                  window};
+}
+
+}  // namespace
+
+// Writes the attention output of every prefill sequence's query rows into out's rows (other
+// rows untouched). q and out: [num_tokens, num_q_heads, head_dim] with packed heads and any
+// row stride; query_start, query_len, context_len: [num_seqs] int64; block_tables
+// [num_seqs, max_blocks] int64, covering each sequence's context_len keys. window > 0: a
+// sliding-window layer's (0: the whole context).
+void paged_prefill_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor query_start,
+                                 torch::Tensor query_len, torch::Tensor context_len,
+                                 torch::Tensor block_tables, double scale, torch::Tensor out,
+                                 int64_t window) {
+  TORCH_CHECK(cache.dim() == 5 && q.dim() == 3 && out.dim() == 3 && block_tables.dim() == 2,
+              "bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "q and out need packed heads: stride(1) == head_dim, stride(2) == 1");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(),
+              "out must match q's shape and dtype");
+  TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache dtypes differ");
+  TORCH_CHECK(q.size(2) == cache.size(4) && q.size(1) % cache.size(2) == 0,
+              "q heads must be a multiple of kv heads, with the cache's head_dim");
+  TORCH_CHECK(cache.is_contiguous() && block_tables.is_contiguous(),
+              "paged_prefill_attention needs a contiguous cache and block tables");
+  const int64_t num_seqs = query_start.numel();
+  for (const torch::Tensor* t : {&query_start, &query_len, &context_len})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == num_seqs,
+                "query_start, query_len and context_len: contiguous int64, one per sequence");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.size(0) == num_seqs,
+              "block_tables: int64, one row per sequence");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* ql = query_len.data_ptr<int64_t>();
+  const int64_t* cl = context_len.data_ptr<int64_t>();
+  const int64_t block_size = cache.size(3);
+  for (int64_t s = 0; s < num_seqs; ++s)
+    TORCH_CHECK(ql[s] >= 1 && cl[s] >= ql[s] && qs[s] >= 0 && qs[s] + ql[s] <= q.size(0) &&
+                    (cl[s] + block_size - 1) / block_size <= block_tables.size(1),
+                "sequence ", s, ": bad query_start/query_len/context_len or too few blocks");
+  if (q.scalar_type() == torch::kFloat32) {
+    prefill_dispatch(
+        make_batch<float>(q, cache, query_start, query_len, context_len, block_tables, scale,
+                          out, window),
+        num_seqs);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    prefill_dispatch(make_batch<c10::BFloat16>(q, cache, query_start, query_len, context_len,
+                                               block_tables, scale, out, window),
+                     num_seqs);
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention supports float32 and bfloat16");
+  }
+}
