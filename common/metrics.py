@@ -19,6 +19,11 @@ a thing twice:
 - prefill node: its engine, queue and prefill compute time per request, KV transfers sent.
 
 Engine series are read at scrape time; the engine thread does no metrics work per token.
+
+Beside them, VllmNames re-exposes the series that vLLM also has under vLLM's own names and
+labels (``vllm:time_to_first_token_seconds{model_name}``, ...), read from the same samples at
+scrape time, so dashboards, autoscalers and routers built for vLLM work unchanged. Request
+series come from the gateway, engine series from the nodes (deploy/README.md lists them).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import (
@@ -37,10 +43,15 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "pdserve:"
+VLLM_PREFIX = "vllm:"
+VLLM_LABELS = frozenset({"model_name", "finished_reason", "le"})
+"""The labels vLLM's series carry (le: histogram buckets); role and node_id are dropped."""
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # The *_created series double every counter and histogram and no dashboard reads them.
@@ -72,6 +83,31 @@ MAX_TOKEN_COUNT_BUCKET = 200_000
 def name(metric: str) -> str:
     """The exposed name of a metric: "ttft" -> "pdserve:ttft"."""
     return PREFIX + metric
+
+
+class VllmNames(Collector):
+    """Re-exposes some of sources' families under vLLM's names: pdserve:X becomes vllm:Y for
+    each Y in names[X], samples and values unchanged, labels cut to VLLM_LABELS. Reads the
+    sources at scrape time (they must not be this registry itself)."""
+
+    def __init__(self, sources: Iterable[Collector], names: dict[str, tuple[str, ...]]) -> None:
+        self._sources = list(sources)
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self._sources:
+            for family in source.collect():
+                for target in self._names.get(family.name.removeprefix(PREFIX), ()):
+                    yield _renamed(family, VLLM_PREFIX + target)
+
+
+def _renamed(family: Metric, new_name: str) -> Metric:
+    out = Metric(new_name, family.documentation, family.type, family.unit)
+    for sample in family.samples:
+        labels = {k: v for k, v in sample.labels.items() if k in VLLM_LABELS}
+        suffix = sample.name[len(family.name) :]  # _total, _bucket, _sum, _count
+        out.add_sample(new_name + suffix, labels, sample.value, sample.timestamp)
+    return out
 
 
 def token_count_buckets(max_value: int = MAX_TOKEN_COUNT_BUCKET) -> list[float]:

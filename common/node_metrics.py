@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from pdserve.common.metrics import (
     KV_TRANSFER_BUCKETS_S,
     REQUEST_LATENCY_BUCKETS_S,
+    VllmNames,
     name,
     new_registry,
 )
@@ -25,6 +26,16 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.kvtransfer.transport import TransferStats
 
 LABELS = ("role", "model_name", "node_id")
+VLLM_NAMES = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "num_preemptions": ("num_preemptions",),
+    "prefix_cache_queries": ("prefix_cache_queries",),
+    "prefix_cache_hits": ("prefix_cache_hits",),
+}
+"""Engine series also exposed under vLLM's names (pdserve name -> vLLM names; the gateway
+exposes the request series)."""
 _SPEC_COUNTERS = (
     ("num_drafts", "Speculative verifications (requests x steps that verified drafts)."),
     ("num_draft_tokens", "Draft tokens verified."),
@@ -111,7 +122,9 @@ class NodeMetrics:
         self.role = role
         self.registry = new_registry()
         labels = {"role": role, "model_name": model_name, "node_id": node_id}
-        self.registry.register(EngineCollector(engine, labels))
+        engine_collector = EngineCollector(engine, labels)
+        self.registry.register(engine_collector)
+        self.registry.register(VllmNames([engine_collector], VLLM_NAMES))
         self.queue_time = self._histogram(
             "request_queue_time_seconds",
             "From the request's arrival at this node to its first scheduling.",

@@ -20,6 +20,7 @@ from pdserve.common.metrics import (
     REQUEST_LATENCY_BUCKETS_S,
     TOKEN_LATENCY_BUCKETS_S,
     TTFT_BUCKETS_S,
+    VllmNames,
     name,
     new_registry,
     token_count_buckets,
@@ -27,6 +28,21 @@ from pdserve.common.metrics import (
 from pdserve.gateway.live_stats import LiveStats
 
 LABELS = ("role", "model_name")
+VLLM_NAMES = {
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": (
+        "inter_token_latency_seconds",
+        "time_per_output_token_seconds",  # vLLM's older name of the same histogram
+    ),
+    "request_time_per_output_token_seconds": ("request_time_per_output_token_seconds",),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_prompt_tokens": ("request_prompt_tokens",),
+    "request_generation_tokens": ("request_generation_tokens",),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "request_success": ("request_success",),
+}
+"""Request series also exposed under vLLM's names (pdserve name -> vLLM names)."""
 
 
 class GatewayMetrics:
@@ -38,12 +54,17 @@ class GatewayMetrics:
         labels = {"role": "gateway", "model_name": model_name}
         self._labels = labels
 
+        families: list[Histogram | Counter] = []
+
         def histogram(metric: str, text: str, buckets: tuple[float, ...] | list[float]):
             family = Histogram(name(metric), text, LABELS, buckets=buckets, registry=self.registry)
+            families.append(family)
             return family.labels(**labels)
 
         def counter(metric: str, text: str):
-            return Counter(name(metric), text, LABELS, registry=self.registry).labels(**labels)
+            family = Counter(name(metric), text, LABELS, registry=self.registry)
+            families.append(family)
+            return family.labels(**labels)
 
         self.ttft = histogram(
             "time_to_first_token_seconds", "From arrival to the first token.", TTFT_BUCKETS_S
@@ -79,6 +100,8 @@ class GatewayMetrics:
             [*LABELS, "finished_reason"],
             registry=self.registry,
         )
+        families.append(self.request_success)
+        self.registry.register(VllmNames(families, VLLM_NAMES))
         in_flight = Gauge(
             name("gateway_requests_in_flight"),
             "Requests admitted and not yet answered.",
