@@ -28,6 +28,7 @@ from pdserve.common.metrics import MetricsServer
 from pdserve.common.node_config import NodeConfig
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.node_service import ErrorInterceptor, NodeService
+from pdserve.common.tls import TLSFiles, add_port
 from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
@@ -82,14 +83,16 @@ class NodeServer:
     """A grpc.aio server with the standard health service, reflection, and the error
     interceptor (common/node_service.py) that maps what RPC methods raise to status codes."""
 
-    def __init__(self, host: str, port: int, service_names: list[str]) -> None:
+    def __init__(
+        self, host: str, port: int, service_names: list[str], tls: TLSFiles | None = None
+    ) -> None:
         self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorInterceptor()])
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, self.server)
         self._service_names = service_names
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        self.port = add_port(self.server, f"{host}:{port}", tls)
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         self.address = f"{host}:{self.port}"
@@ -183,7 +186,7 @@ async def serve_node(role: NodeRole, engine_args: EngineArgs) -> None:
             metrics_server.address if metrics_server else "",
         )
         servicer = role.servicer(parts)
-        server = NodeServer(config.host, config.port, [role.service_name])
+        server = NodeServer(config.host, config.port, [role.service_name], config.tls_files())
         role.add_servicer(servicer, server.server)
         freeze_startup_objects()
         engine_loop.start()

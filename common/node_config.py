@@ -7,11 +7,12 @@ import argparse
 from dataclasses import dataclass
 from typing import Literal, Self
 
+from pdserve.common.tls import InternalTLSConfig
 from pdserve.engine.arg_utils import add_config_flags, config_from_namespace
 
 
 @dataclass(frozen=True)
-class NodeConfig:
+class NodeConfig(InternalTLSConfig):
     """What every node process is told at start besides the engine's settings (EngineArgs):
     the flags of `pdserve prefill` and `pdserve decode` (add_cli_args)."""
 
@@ -43,6 +44,7 @@ class NodeConfig:
             raise ValueError(f"kv_transport must be 'ucx' or 'tcp', got {self.kv_transport!r}")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        self.tls_files()  # all three TLS files or none, readable
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

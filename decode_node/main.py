@@ -52,6 +52,7 @@ class DecodeRole(NodeRole):
             self.config.prefill_timeout_s,
             self.config.kv_transfer_timeout_s,
             parts.metrics,
+            self.config.tls_files(),
         )
         telemetry = DecodeTelemetry(parts.metrics, parts.node_id, engine.spec_stats is not None)
         return DecodeServicer(

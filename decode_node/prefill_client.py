@@ -24,6 +24,7 @@ from pdserve.common import tracing
 from pdserve.common.node import GRPC_OPTIONS
 from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.protocol import layout_to_proto, logprob_from_proto, sampling_params_to_proto
+from pdserve.common.tls import TLSFiles, aio_channel
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.outputs import RemotePrefill, SampledTokens
 from pdserve.engine.utils import cdiv
@@ -81,8 +82,11 @@ class PrefillClient:
         prefill_timeout_s: float,
         transfer_timeout_s: float,
         metrics: NodeMetrics,
+        tls: TLSFiles | None = None,
     ) -> None:
         self.engine_loop = engine_loop
+        self.tls = tls
+        """Mutual TLS to the prefill nodes (common/tls.py); None: plaintext."""
         self.receiver = receiver
         self.layout = layout
         self.prefill_timeout_s = prefill_timeout_s
@@ -93,7 +97,7 @@ class PrefillClient:
     def _stub(self, address: str) -> node_pb2_grpc.PrefillNodeStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+            channel = aio_channel(address, self.tls, GRPC_OPTIONS)
             self._channels[address] = channel
         return node_pb2_grpc.PrefillNodeStub(channel)
 

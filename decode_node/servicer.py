@@ -136,7 +136,9 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
             return
         tracked.task = asyncio.ensure_future(self.prefiller.run(rp, tracked))
 
-    def _chunk(self, update: RequestUpdate, tracked: InFlightRequest, first: bool) -> node_pb2.TokenChunk:
+    def _chunk(
+        self, update: RequestUpdate, tracked: InFlightRequest, first: bool
+    ) -> node_pb2.TokenChunk:
         chunk = node_pb2.TokenChunk(
             token_ids=update.new_token_ids,
             logprobs=[logprob_to_proto(lp) for lp in update.new_logprobs if lp is not None],

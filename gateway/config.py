@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from pdserve.common.tls import InternalTLSConfig
 from pdserve.gateway.discovery import NodeEntry
 
 
@@ -14,7 +15,7 @@ def parse_address_list(value: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(InternalTLSConfig):
     """The gateway's settings (flags of `pdserve gateway`)."""
 
     model: str
@@ -59,6 +60,16 @@ class GatewayConfig:
     """
     log_level: str = "INFO"
     """Logging level name."""
+    ssl_keyfile: str | None = None
+    """PEM key of --ssl-certfile: the public REST and gRPC ports then speak TLS."""
+    ssl_certfile: str | None = None
+    """PEM certificate (chain) the public REST and gRPC ports present."""
+    header_timeout_s: float = 10.0
+    """How long a client may take to send a request's headers (from connecting, or from the
+    first byte of a request on a kept-alive connection) and then its body; slower connections
+    are closed."""
+    max_connections: int = 4096
+    """Open REST connections at most; more are answered 503 at once."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -86,3 +97,10 @@ class GatewayConfig:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
+            raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.header_timeout_s <= 0:
+            raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        self.tls_files()  # all three internal TLS files or none, readable

@@ -136,8 +136,15 @@ class GrpcFront:
     """The gRPC server: Gateway, grpc.health.v1.Health (SERVING exactly when /health is 200)
     and reflection."""
 
-    def __init__(self, ctx: GatewayContext, host: str, port: int) -> None:
+    def __init__(
+        self,
+        ctx: GatewayContext,
+        host: str,
+        port: int,
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
         self._ctx = ctx
+        self._credentials = credentials
         self._address = f"{host}:{port}"
         self._server = grpc.aio.server()
         self._health = health.aio.HealthServicer()
@@ -149,7 +156,10 @@ class GrpcFront:
 
     async def start(self) -> int:
         """Listen; returns the bound port."""
-        port = self._server.add_insecure_port(self._address)
+        if self._credentials is None:
+            port = self._server.add_insecure_port(self._address)
+        else:
+            port = self._server.add_secure_port(self._address, self._credentials)
         if port == 0:
             raise OSError(f"cannot listen on {self._address} for gRPC")
         await self._update_health()

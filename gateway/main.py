@@ -17,7 +17,9 @@ import socket
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import grpc
 import uvicorn
 
 from pdserve.common import tracing
@@ -30,6 +32,7 @@ from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.discovery import NodeDiscovery, Resolver, resolve_ips
 from pdserve.gateway.generation import GenerationPipeline
 from pdserve.gateway.grpc_front import GrpcFront
+from pdserve.gateway.http_limits import deadline_protocol
 from pdserve.gateway.logprobs import TokenTexts
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import NodeRegistry
@@ -53,6 +56,14 @@ CONFIG_FLAGS = (
     "request_timeout_s",
     "drain_timeout_s",
     "keep_alive_timeout_s",
+    "header_timeout_s",
+    "max_connections",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "tls_cert",
+    "tls_key",
+    "tls_ca",
+    "tls_server_name",
 )
 """GatewayConfig fields whose flag is the field as it is (default and help: the field's)."""
 _FLAG_HELP = {"grpc_port": "Public gRPC port (0 disables the gRPC front)."}
@@ -132,9 +143,8 @@ class RestServer:
     """uvicorn serving the FastAPI app on a socket bound here (a bind error is an OSError
     for the caller, not uvicorn's sys.exit)."""
 
-    def __init__(
-        self, app: object, host: str, port: int, log_level: str, keep_alive_timeout_s: float
-    ) -> None:
+    def __init__(self, app: object, config: GatewayConfig) -> None:
+        host, port = config.host, config.port
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,11 +153,15 @@ class RestServer:
         config = uvicorn.Config(
             app,  # type: ignore[arg-type]
             log_config=None,  # keep the process's logging
-            log_level=log_level.lower(),
+            log_level=config.log_level.lower(),
             access_log=False,
             lifespan="off",
             timeout_graceful_shutdown=_SERVER_STOP_GRACE_S,
-            timeout_keep_alive=keep_alive_timeout_s,
+            timeout_keep_alive=config.keep_alive_timeout_s,
+            http=deadline_protocol(config.header_timeout_s),
+            limit_concurrency=config.max_connections,
+            ssl_keyfile=config.ssl_keyfile,
+            ssl_certfile=config.ssl_certfile,
         )
         self._server = _UvicornServer(config)
         self._task: asyncio.Task[None] | None = None
@@ -167,6 +181,14 @@ class RestServer:
         self._socket.close()
 
 
+def _public_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS (no client certificates) for the public gRPC port, from --ssl-keyfile/--ssl-certfile."""
+    if not config.ssl_certfile or not config.ssl_keyfile:
+        return None
+    key = Path(config.ssl_keyfile).read_bytes()
+    return grpc.ssl_server_credentials([(key, Path(config.ssl_certfile).read_bytes())])
+
+
 async def serve(
     config: GatewayConfig,
     stop: asyncio.Event,
@@ -179,7 +201,9 @@ async def serve(
     if config.chat_template:
         tokenizer.set_chat_template(read_chat_template(config.chat_template))
     # Empty until discovery fills it from the entries (and keeps it up to date).
-    registry = NodeRegistry((), (), config.poll_interval_s, config.poll_timeout_s)
+    registry = NodeRegistry(
+        (), (), config.poll_interval_s, config.poll_timeout_s, config.tls_files()
+    )
     discovery = NodeDiscovery(
         config.decode_nodes, config.prefill_nodes, config.dns_refresh_s, resolver
     )
@@ -200,13 +224,11 @@ async def serve(
     try:
         await discovery.start(registry)
         await registry.start()
-        rest = RestServer(
-            build_app(ctx), config.host, config.port, config.log_level, config.keep_alive_timeout_s
-        )
+        rest = RestServer(build_app(ctx), config)
         await rest.start()
         grpc_port = None
         if config.grpc_port is not None:
-            grpc_front = GrpcFront(ctx, config.host, config.grpc_port)
+            grpc_front = GrpcFront(ctx, config.host, config.grpc_port, _public_credentials(config))
             grpc_port = await grpc_front.start()
         freeze_startup_objects()
         logger.info(

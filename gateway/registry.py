@@ -11,6 +11,7 @@ from typing import Literal
 
 import grpc
 
+from pdserve.common.tls import TLSFiles, aio_channel
 from pdserve.v1 import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,9 @@ class NodeRegistry:
         prefill_addresses: tuple[str, ...],
         poll_interval_s: float = 0.5,
         poll_timeout_s: float = 1.0,
+        tls: TLSFiles | None = None,
     ) -> None:
+        self._tls = tls
         self._poll_interval_s = poll_interval_s
         self._poll_timeout_s = poll_timeout_s
         self.decode_nodes = [self._node(a, "decode") for a in decode_addresses]
@@ -75,9 +78,8 @@ class NodeRegistry:
         channel closes when the last stream ends."""
         self._task: asyncio.Task[None] | None = None
 
-    @staticmethod
-    def _node(address: str, role: Role) -> NodeState:
-        channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    def _node(self, address: str, role: Role) -> NodeState:
+        channel = aio_channel(address, self._tls, _CHANNEL_OPTIONS)
         return NodeState(address, role, channel)
 
     @property

@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.node_config import NodeConfig
+from pdserve.common.tls import TLSFiles, sync_channel
 from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_argv, flag_argv
 from pdserve.gateway.main import add_gateway_config_flags
 
@@ -32,16 +34,19 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 _NODE_FLAGS = ("served_model_name", "num_threads", "kv_transport")
+_TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
+"""NodeConfig's mutual-TLS fields: flags of `serve` too, passed on to every node and the
+gateway."""
 """NodeConfig fields that are flags of `serve` too, passed on to every node."""
 _GATEWAY_FLAGS = ("host", "port", "grpc_port", "max_num_requests")
 """GatewayConfig fields that are flags of `serve` too, passed on to the gateway."""
-_GATEWAY_OPTIONAL_FLAGS = ("chat_template",)
+_GATEWAY_OPTIONAL_FLAGS = ("chat_template", "ssl_keyfile", "ssl_certfile")
 """GatewayConfig fields that are flags of `serve` too, passed on only when set."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, decode=True)
-    add_config_flags(p.add_argument_group("nodes"), NodeConfig, _NODE_FLAGS)
+    add_config_flags(p.add_argument_group("nodes"), NodeConfig, _NODE_FLAGS + _TLS_FLAGS)
     add_gateway_config_flags(
         p.add_argument_group("gateway"), _GATEWAY_FLAGS + _GATEWAY_OPTIONAL_FLAGS
     )
@@ -137,7 +142,8 @@ def node_argv(
     decode = role == "decode"
     argv = ["--log-level", args.log_level, role]
     argv += EngineArgs.from_cli_args(args).to_argv(decode=decode)
-    argv += config_argv(NodeConfig(**{name: getattr(args, name) for name in _NODE_FLAGS}))
+    names = _NODE_FLAGS + _TLS_FLAGS
+    argv += config_argv(NodeConfig(**{name: getattr(args, name) for name in names}))
     argv += [*args.node_arg, "--port", str(port)]
     argv += args.decode_node_arg if decode else args.prefill_node_arg
     if metrics_port is not None:
@@ -157,7 +163,7 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
         argv += flag_argv("served_model_name", args.served_model_name)
     if args.max_model_len:
         argv += flag_argv("max_model_len", args.max_model_len)
-    for name in ("tokenizer", "chat_template"):
+    for name in ("tokenizer", *_GATEWAY_OPTIONAL_FLAGS, *_TLS_FLAGS):
         if getattr(args, name):
             argv += flag_argv(name, getattr(args, name))
     return argv + args.gateway_arg
@@ -194,11 +200,11 @@ class StartupDeath(RuntimeError):
     """A child exited before the stack was up (e.g. a port taken between pick and bind)."""
 
 
-def _node_serving(address: str) -> bool:
+def _node_serving(address: str, tls: TLSFiles | None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with sync_channel(address, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=2.0
@@ -208,18 +214,23 @@ def _node_serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def wait_healthy(url: str, children: list[Child], timeout_s: float) -> None:
-    """Until the gateway's /health is 200 and every node reports SERVING (gRPC health)."""
+def wait_healthy(
+    url: str, children: list[Child], timeout_s: float, tls: TLSFiles | None = None
+) -> None:
+    """Until the gateway's /health is 200 and every node reports SERVING (gRPC health; over
+    mutual TLS when tls is given). An https url is checked without verifying the gateway's
+    certificate: it is our own child, on the address we gave it."""
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     deadline = time.monotonic() + timeout_s
     pending = [c for c in children if c.name != "gateway"]
     while time.monotonic() < deadline:
         dead = [c.name for c in children if c.process.poll() is not None]
         if dead:
             raise StartupDeath(f"{', '.join(dead)} exited during startup")
-        pending = [c for c in pending if not _node_serving(c.address)]
+        pending = [c for c in pending if not _node_serving(c.address, tls)]
         if not pending:
             try:
-                with urllib.request.urlopen(url, timeout=2.0) as response:
+                with urllib.request.urlopen(url, timeout=2.0, context=context) as response:
                     if response.status == 200:
                         return
             except (urllib.error.URLError, OSError):
@@ -268,12 +279,14 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    base = f"http://{host}:{args.port}"
+    scheme = "https" if args.ssl_certfile else "http"
+    base = f"{scheme}://{host}:{args.port}"
+    tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
     _prepare_cpu_kernels()
     for attempt in range(1, _START_ATTEMPTS + 1):
         children = start_stack(args)
         try:
-            wait_healthy(f"{base}/health", children, args.startup_timeout_s)
+            wait_healthy(f"{base}/health", children, args.startup_timeout_s, tls)
             break
         except StartupDeath as exc:
             # Ports are picked free, then bound by the children: another process can take one

@@ -38,7 +38,7 @@ def test_flags_and_help() -> None:
     DecodeNodeConfig.add_cli_args(p)
     by_dest = {a.dest: a for a in p._actions}
     assert [s for a in p._actions for s in a.option_strings][2:] == [
-        "--host", "--port", "--served-model-name", "--num-threads", "--node-id",
+        "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name", "--host", "--port", "--served-model-name", "--num-threads", "--node-id",
         "--kv-transport", "--metrics-port", "--metrics-host", "--drain-timeout-s", "--kv-host",
         "--kv-port", "--prefill-timeout-s", "--kv-transfer-timeout-s", "--token-timeout-s",
     ]  # fmt: skip
@@ -61,6 +61,9 @@ def test_flags_and_help() -> None:
         (PrefillNodeConfig, {"drain_timeout_s": -1.0}, "drain_timeout_s must be >= 0"),
         (PrefillNodeConfig, {"prefill_timeout_s": 0.0}, "prefill_timeout_s must be > 0"),
         (DecodeNodeConfig, {"kv_port": 65536}, "kv_port must be in"),
+        (DecodeNodeConfig, {"tls_cert": "c.pem"}, "mutual TLS needs --tls-key, --tls-ca too"),
+        (DecodeNodeConfig, {"tls_server_name": "x"}, "--tls-server-name needs --tls-cert"),
+        (PrefillNodeConfig, {"kv_target_hosts": " "}, "--kv-target-hosts must be"),
         (DecodeNodeConfig, {"token_timeout_s": 0.0}, "token_timeout_s must be > 0"),
         (DecodeNodeConfig, {"kv_transfer_timeout_s": -1.0}, "kv_transfer_timeout_s must be > 0"),
     ],
