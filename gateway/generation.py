@@ -213,11 +213,22 @@ class GenerationPipeline:
                 error = _no_node_error(child_id, seq, failures)
                 tracing.end_span(route, error)
                 raise error
-            decode_request = self._decode_request(request, child_id, len(failures), params, seq)
+            decode_request, release_prefill = self._decode_request(
+                request, child_id, len(failures), params, seq
+            )
             _describe_route(route, node, decode_request)
             tracing.end_span(route)
             try:
-                await self._stream(node, decode_request, request.deadline, seq, emit, timer, parent)
+                await self._stream(
+                    node,
+                    decode_request,
+                    request.deadline,
+                    seq,
+                    emit,
+                    timer,
+                    parent,
+                    release_prefill,
+                )
                 return seq.finish_reason or "stop"
             except _NodeFailed as exc:
                 failures[node.address] = str(exc)
@@ -236,9 +247,10 @@ class GenerationPipeline:
         attempt: int,
         params: common_pb2.SamplingParams,
         seq: SequenceOutput,
-    ) -> node_pb2.DecodeRequest:
-        """The DecodeRequest for an attempt: a resubmission's prompt holds the tokens already
-        generated, and its token limits shrink by as many."""
+    ) -> tuple[node_pb2.DecodeRequest, Callable[[], None]]:
+        """The DecodeRequest for an attempt (a resubmission's prompt holds the tokens already
+        generated, and its token limits shrink by as many), and the release of the prompt's
+        place in its first prefill candidate's queue (Router.reserve_prefill)."""
         prompt = seq.prompt_token_ids + seq.output_token_ids
         attempt_params = common_pb2.SamplingParams()
         attempt_params.CopyFrom(params)
@@ -246,9 +258,12 @@ class GenerationPipeline:
         attempt_params.max_tokens = params.max_tokens - num_done
         attempt_params.min_tokens = max(params.min_tokens - num_done, 0)
         candidates = self._router.rank_prefill(prompt, request.cache_salt)
+        release: Callable[[], None] = _nothing
         if candidates:
-            # Recorded now, not when the node reports it, so that the n children of one
-            # request (and bursts sharing a prefix) follow each other at once.
+            # Counted and recorded now, not when the node reports it, so that the next
+            # requests of a burst see this one in the node's queue, and the n children of one
+            # request (and bursts sharing a prefix) follow each other.
+            release = self._router.reserve_prefill(candidates[0], len(prompt))
             self._router.record_prefill(candidates[0].node.address, prompt, request.cache_salt)
         return node_pb2.DecodeRequest(
             # A fresh id per attempt: the failed node may still hold the old one.
@@ -258,7 +273,7 @@ class GenerationPipeline:
             prefill_candidates=[c.node.address for c in candidates],
             cache_salt=request.cache_salt,
             priority=request.priority,
-        )
+        ), release
 
     async def _stream(
         self,
@@ -269,9 +284,11 @@ class GenerationPipeline:
         emit: Callable[[CompletionDelta | ApiError], None],
         timer: SequenceTimer,
         parent: Context | None,
+        release_prefill: Callable[[], None],
     ) -> None:
         """Stream one Generate call into seq until the sequence finishes; raises _NodeFailed
-        when another node should take over."""
+        when another node should take over. release_prefill is called once the prompt is
+        prefilled (the first chunk) or the call is over."""
         timeout_s = deadline - time.monotonic()
         if timeout_s <= 0:
             raise ApiError.timeout(f"request {decode_request.request_id} ran out of time")
@@ -288,6 +305,7 @@ class GenerationPipeline:
         error: BaseException | None = None
         try:
             async for chunk in call:
+                release_prefill()
                 if chunk.token_ids:
                     timer.on_tokens(len(chunk.token_ids), node.address)
                 if chunk.prefilled_by.startswith(_REMOTE_PREFILL):
@@ -310,6 +328,7 @@ class GenerationPipeline:
             error = exc
             raise
         finally:
+            release_prefill()
             node.num_inflight -= 1
             call.cancel()  # no-op when the call is over; aborts the node's request otherwise
             if span.is_recording():
@@ -352,3 +371,7 @@ def _no_node_error(child_id: str, seq: SequenceOutput, failures: dict[str, str])
             f"and no other decode node could take over ({reasons})"
         )
     return ApiError.unavailable(f"no decode node could take the request ({reasons})")
+
+
+def _nothing() -> None:
+    """release() of a request offered no prefill node."""

@@ -41,6 +41,11 @@ class NodeState:
     """True after a successful poll of an accepting node, until a failed poll or call."""
     num_inflight: int = 0
     """Generate calls this gateway has open on the node (fresher than the polled load)."""
+    inflight_at_poll: int = 0
+    """num_inflight when the latest load was polled (the part of its queue that is ours)."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens this gateway has routed to the node (a prefill node: as first candidate)
+    whose prefill has not finished yet: the node's queue as of now, not as of the last poll."""
     last_error: str = ""
     decode_stub: node_pb2_grpc.DecodeNodeStub = field(init=False)
     prefill_stub: node_pb2_grpc.PrefillNodeStub = field(init=False)
@@ -152,6 +157,7 @@ class NodeRegistry:
         if role_changed and load.role not in (node.role, "aggregated"):
             logger.warning("%s node %s reports role %r", node.role, node.address, load.role)
         node.load = load
+        node.inflight_at_poll = node.num_inflight
         if not load.accepting:
             self._set_health(node, False, "not accepting (draining)")
             return

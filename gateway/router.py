@@ -1,8 +1,14 @@
 """Router: which decode node runs a request, and which prefill nodes to offer it, best first.
 
 Decode: power of two choices over the healthy accepting decode nodes, scored on (queued +
-running requests, free KV blocks). Prefill: ranked by how many leading prompt blocks the gateway
-has already routed to each node (their KV is probably still in its prefix cache), then by load.
+running requests, free KV blocks). Prefill: join the shortest queue, in prompt tokens still to
+compute: the tokens this gateway has routed to each node and not seen finish, plus this prompt's
+tokens that the node has not already prefilled (leading blocks the gateway routed there before:
+their KV is probably still in its prefix cache).
+
+Both read what the gateway itself has sent, counted as it sends it: within a burst the polled
+loads are all from before the burst, and a choice on them alone sends the whole burst to the one
+node that looked idlest.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 from pdserve.gateway.registry import NodeRegistry, NodeState
@@ -68,19 +74,25 @@ class PrefillCandidate(NamedTuple):
 
 
 def decode_score(node: NodeState) -> tuple[int, int]:
-    """Lower is better: requests on the node, then fewer free blocks. The polled count can be
-    up to a poll interval old, so the gateway's own open calls bound it from below."""
+    """Lower is better: requests on the node, then more free blocks. The polled count can be
+    up to a poll interval old: the gateway's own open calls replace their share of it (others'
+    requests, e.g. another gateway's, keep their polled count)."""
     load = node.load
     queued = load.num_running + load.num_waiting if load is not None else 0
     free_blocks = load.num_free_blocks if load is not None else 0
-    return max(queued, node.num_inflight), -free_blocks
+    others = max(queued - node.inflight_at_poll, 0)
+    return node.num_inflight + others, -free_blocks
 
 
-def _prefill_load(node: NodeState) -> tuple[int, int]:
+def _prefill_cost(node: NodeState, prompt_len: int, matched_blocks: int) -> tuple[int, int, int]:
+    """Lower is better: prompt tokens the node would still compute before this one's are done,
+    then its polled queue, then fewer free blocks."""
     load = node.load
     if load is None:
-        return 0, 0
-    return load.num_running + load.num_waiting, -load.num_free_blocks
+        return prompt_len + node.pending_prefill_tokens, 0, 0
+    uncached = max(prompt_len - matched_blocks * load.block_size, 0)
+    queued = load.num_running + load.num_waiting
+    return node.pending_prefill_tokens + uncached, queued, -load.num_free_blocks
 
 
 class Router:
@@ -108,15 +120,35 @@ class Router:
     def rank_prefill(
         self, prompt_token_ids: Sequence[int], cache_salt: str = ""
     ) -> list[PrefillCandidate]:
-        """Accepting prefill nodes, longest routed prefix first, then least loaded."""
+        """Accepting prefill nodes, cheapest first: fewest prompt tokens queued there
+        (_prefill_cost), counting the cached prefix as free."""
         ranked = []
         for node in self._registry.prefill_nodes:
             if not node.accepting:
                 continue
             hashes = self._hashes(node, prompt_token_ids, cache_salt)
             ranked.append(PrefillCandidate(node, self._index(node).match(hashes)))
-        ranked.sort(key=lambda c: (-c.matched_blocks, _prefill_load(c.node)))
+        n = len(prompt_token_ids)
+        ranked.sort(key=lambda c: _prefill_cost(c.node, n, c.matched_blocks))
         return ranked
+
+    @staticmethod
+    def reserve_prefill(candidate: PrefillCandidate, num_prompt_tokens: int) -> Callable[[], None]:
+        """Count the prompt's uncached tokens into the candidate's queue until the returned
+        release() is called (once the prefill is over, or the call failed; idempotent)."""
+        node = candidate.node
+        block_size = node.load.block_size if node.load is not None else 0
+        tokens = max(num_prompt_tokens - candidate.matched_blocks * block_size, 0)
+        node.pending_prefill_tokens += tokens
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                node.pending_prefill_tokens -= tokens
+
+        return release
 
     def record_prefill(
         self, address: str, prompt_token_ids: Sequence[int], cache_salt: str = ""

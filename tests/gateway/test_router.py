@@ -86,6 +86,8 @@ def test_decode_score_orders_by_requests_then_free_blocks(registry: NodeRegistry
     assert decode_score(d0) == (3, -10)
     assert decode_score(d1) == (3, -50)
     d2.num_inflight = 7  # the gateway's own open calls are fresher than the poll
+    assert decode_score(d2) == (8, -5)  # ours now + the polled one, not ours (none at the poll)
+    d2.inflight_at_poll = 1  # the polled request was ours, and is among the 7
     assert decode_score(d2) == (7, -5)
 
 
@@ -141,3 +143,59 @@ def test_rank_prefill_by_routed_prefix_then_load(registry: NodeRegistry) -> None
     assert [(c.node.address, c.matched_blocks) for c in ranked] == [("p1:1", 0), ("p0:1", 0)]
     p1.healthy = False
     assert [c.node.address for c in router.rank_prefill(prompt)] == ["p0:1"]
+
+
+def test_a_burst_of_prefills_spreads_over_the_prefill_nodes(registry: NodeRegistry) -> None:
+    """200 prompts routed before any poll sees them (every polled load says idle): each one
+    joins the shortest queue in uncached prompt tokens, so the split is even, and releasing
+    them empties the queues."""
+    p0, p1 = registry.prefill_nodes
+    set_load(p0, free=10)
+    set_load(p1, free=500)  # looked idler at the last poll: the old ranking sent all here
+    router = Router(registry)
+    rng = random.Random(3)
+    releases, tokens = [], {"p0:1": 0, "p1:1": 0}
+    for _ in range(200):
+        prompt = [rng.randrange(1000) for _ in range(rng.randrange(20, 200))]
+        first = router.rank_prefill(prompt)[0]
+        releases.append(router.reserve_prefill(first, len(prompt)))
+        tokens[first.node.address] += len(prompt)
+    assert abs(tokens["p0:1"] - tokens["p1:1"]) < 200, tokens  # within one prompt
+    assert p0.pending_prefill_tokens == tokens["p0:1"]
+    for release in releases:
+        release()
+        release()  # idempotent
+    assert p0.pending_prefill_tokens == p1.pending_prefill_tokens == 0
+
+
+def test_a_cached_prefix_counts_as_free_work_not_as_a_trump(registry: NodeRegistry) -> None:
+    p0, p1 = registry.prefill_nodes
+    set_load(p0)
+    set_load(p1)
+    router = Router(registry)
+    system = list(range(8))  # two blocks every prompt shares
+    router.record_prefill("p0:1", system)
+    prompts = [system + [100 + i] * 40 for i in range(20)]
+    picks = []
+    for prompt in prompts:
+        first = router.rank_prefill(prompt)[0]
+        router.reserve_prefill(first, len(prompt))
+        picks.append(first.node.address)
+    assert picks[0] == "p0:1"  # the cache hit wins when queues are equal
+    assert 8 <= picks.count("p0:1") <= 12  # but not the whole burst
+
+
+def test_a_burst_of_streams_spreads_over_two_decode_nodes(registry: NodeRegistry) -> None:
+    """12 simultaneous streams, each counted as the gateway opens it: with polled loads from
+    before the burst (d1 had 3 requests then, now finished and counted as ours), the split is
+    even."""
+    d0, d1, d2 = registry.decode_nodes
+    set_load(d0)
+    set_load(d1, running=3)
+    d1.inflight_at_poll = 3  # those 3 were this gateway's, since finished
+    d1.num_inflight = 0
+    d2.healthy = False
+    router = Router(registry, random.Random(0))
+    for _ in range(12):
+        router.pick_decode().num_inflight += 1
+    assert d0.num_inflight == d1.num_inflight == 6
