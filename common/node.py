@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from pdserve.common import tracing
+from pdserve.common.grpc_messages import MalformedRequestInterceptor
 from pdserve.common.metrics import MetricsServer
 from pdserve.common.node_config import NodeConfig
 from pdserve.common.node_metrics import NodeMetrics
@@ -86,7 +87,9 @@ class NodeServer:
     def __init__(
         self, host: str, port: int, service_names: list[str], tls: TLSFiles | None = None
     ) -> None:
-        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=[ErrorInterceptor()])
+        # outermost first: a malformed message is INVALID_ARGUMENT before the error mapping
+        interceptors = [MalformedRequestInterceptor(), ErrorInterceptor()]
+        self.server = grpc.aio.server(options=GRPC_OPTIONS, interceptors=interceptors)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]

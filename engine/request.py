@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -81,8 +82,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (or -1 for all), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}"
+            )
         if not -2 <= self.presence_penalty <= 2:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not -2 <= self.frequency_penalty <= 2:

@@ -70,6 +70,10 @@ class GatewayConfig(InternalTLSConfig):
     are closed."""
     max_connections: int = 4096
     """Open REST connections at most; more are answered 503 at once."""
+    api_key: str | None = None
+    """Clients must send `Authorization: Bearer <key>` on every REST route but /health,
+    /metrics, /version and the dashboard page (also read from PDSERVE_API_KEY or
+    VLLM_API_KEY). Internal node addresses are shown only with it, when it is set."""
 
     def __post_init__(self) -> None:
         if not self.served_model_name:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.common import tracing
+from pdserve.common.grpc_messages import MalformedRequestInterceptor
 from pdserve.gateway.admission import Ticket
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.errors import ApiError
@@ -27,6 +29,8 @@ from pdserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
+MAX_CLIENT_REQUEST_ID_CHARS = 256
+"""Longest request_id a client may send (kept as an attribute, never as pdserve's own id)."""
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name
 _GENERATE_METHOD = f"{GATEWAY_SERVICE}/Generate"
 HEALTH_UPDATE_INTERVAL_S = 0.5
@@ -75,8 +79,13 @@ def prepare_generate(
     requested = params.max_tokens if params.HasField("max_tokens") else DEFAULT_MAX_TOKENS
     params.max_tokens = fit_max_tokens(requested, len(prompt_ids), max_model_len, "prompt")
     check_min_tokens(params)
-    request_id = request.request_id or f"gen-{uuid.uuid4().hex}"
-    return ctx.new_request(request_id, prompt_ids, params, n, request.cache_salt)
+    if len(request.request_id) > MAX_CLIENT_REQUEST_ID_CHARS:
+        raise ApiError.bad_request(
+            f"request_id may have at most {MAX_CLIENT_REQUEST_ID_CHARS} characters", "request_id"
+        )
+    # The id inside pdserve is always ours (unique, fixed size): a client's id is echoed in
+    # the responses and traced, never used to key anything, so two calls may share one.
+    return ctx.new_request(f"gen-{uuid.uuid4().hex}", prompt_ids, params, n, request.cache_salt)
 
 
 def _response(request_id: str, delta: CompletionDelta) -> gateway_pb2.GenerateResponse:
@@ -111,10 +120,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             ticket = self._ctx.admission.admit()
             generation = trace.prepare(lambda: prepare_generate(self._ctx, request))
+            if request.request_id and trace.span.is_recording():
+                trace.span.set_attribute("pdserve.client_request_id", request.request_id)
+            reply_id = request.request_id or generation.request_id
             deltas = self._ctx.generator.generate(generation)
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    yield _response(generation.request_id, delta)
+                    yield _response(reply_id, delta)
         except ApiError as exc:
             trace.fail(exc)
             await context.abort(exc.grpc_code, exc.message)
@@ -132,6 +144,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.ListModelsResponse(models=[model])
 
 
+class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """--api-key on the Gateway service: metadata `authorization: Bearer <key>` (compared in
+    constant time), else UNAUTHENTICATED; health and reflection stay open."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = f"Bearer {api_key}".encode()
+
+        async def refuse(request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key")
+
+        async def refuse_stream(request: object, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or incorrect API key")
+            yield  # pragma: no cover - abort raises
+
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+        self._refuse_stream = grpc.unary_stream_rpc_method_handler(refuse_stream)
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method = handler_call_details.method
+        if not method.startswith(f"/{GATEWAY_SERVICE}/"):
+            return await continuation(handler_call_details)
+        given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
+        if hmac.compare_digest(str(given).encode(), self._expected):
+            return await continuation(handler_call_details)
+        return self._refuse_stream if method.endswith("/Generate") else self._refuse
+
+
 class GrpcFront:
     """The gRPC server: Gateway, grpc.health.v1.Health (SERVING exactly when /health is 200)
     and reflection."""
@@ -146,7 +185,10 @@ class GrpcFront:
         self._ctx = ctx
         self._credentials = credentials
         self._address = f"{host}:{port}"
-        self._server = grpc.aio.server()
+        interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
+        if ctx.config.api_key:  # outermost: no parsing for a caller without the key
+            interceptors.insert(0, _ApiKeyInterceptor(ctx.config.api_key))
+        self._server = grpc.aio.server(interceptors=interceptors)
         self._health = health.aio.HealthServicer()
         self._health_task: asyncio.Task[None] | None = None
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(ctx), self._server)

@@ -60,6 +60,7 @@ CONFIG_FLAGS = (
     "max_connections",
     "ssl_keyfile",
     "ssl_certfile",
+    "api_key",
     "tls_cert",
     "tls_key",
     "tls_ca",
@@ -119,7 +120,13 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         decode_nodes=parse_address_list(args.decode_nodes),
         prefill_nodes=parse_address_list(args.prefill_nodes),
         log_level=_log_level(args),
-        **plain | {"grpc_port": args.grpc_port or None},
+        **plain
+        | {
+            "grpc_port": args.grpc_port or None,
+            "api_key": args.api_key
+            or os.environ.get("PDSERVE_API_KEY")
+            or os.environ.get("VLLM_API_KEY"),
+        },
     )
 
 

@@ -35,7 +35,7 @@ FinishReason = Literal["stop", "length"]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 def _find_surrogate(value: Any, path: str) -> str | None:

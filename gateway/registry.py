@@ -186,7 +186,18 @@ class NodeRegistry:
         return min(lengths) if lengths else None
 
     def is_ready(self) -> bool:
-        """At least one decode node, and one prefill node when any are configured, accepts."""
-        decode_ok = any(n.accepting for n in self.decode_nodes)
-        prefill_ok = not self.prefill_nodes or any(n.accepting for n in self.prefill_nodes)
-        return decode_ok and prefill_ok
+        """At least one decode node accepts: requests can be served (decode nodes prefill
+        locally when no prefill node can)."""
+        return any(n.accepting for n in self.decode_nodes)
+
+    def tier_status(self) -> dict[str, object]:
+        """What /health says beyond its status code: "ok", or "degraded" while some tier
+        has nodes configured that are not accepting (no prefill node: decode nodes prefill
+        locally); accepting/total per tier. Counts only: no node addresses."""
+        tiers = {"decode": self.decode_nodes, "prefill": self.prefill_nodes}
+        counts = {
+            role: {"accepting": sum(n.accepting for n in nodes), "total": len(nodes)}
+            for role, nodes in tiers.items()
+        }
+        degraded = any(c["accepting"] < c["total"] for c in counts.values())
+        return {"status": "degraded" if degraded else "ok", "nodes": counts}

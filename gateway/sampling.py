@@ -3,6 +3,7 @@ the gRPC front, and the max_tokens that fits max_model_len."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from pdserve.engine.tokenizer import Tokenizer
@@ -121,7 +122,11 @@ def check_sampling_params(params: common_pb2.SamplingParams) -> None:
     """Raise a 400 naming the first field out of range (requests from the gRPC front; REST
     requests were checked field by field when parsed)."""
     for name, (allowed, expected) in _RANGES.items():
-        if params.HasField(name) and not allowed(getattr(params, name)):
+        if not params.HasField(name):
+            continue
+        if not math.isfinite(getattr(params, name)):
+            raise ApiError.bad_request(f"{name} must be a finite number", name)
+        if not allowed(getattr(params, name)):
             raise ApiError.bad_request(
                 f"{name} must be {expected}, got {getattr(params, name)}", name
             )

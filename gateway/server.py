@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.common import metrics, tracing
 from pdserve.gateway.admission import Ticket
+from pdserve.gateway.auth import ApiKeyMiddleware
 from pdserve.gateway.chat import chat_response, chat_stream, prepare_chat
 from pdserve.gateway.completions import completion_response, completion_stream, prepare_completion
 from pdserve.gateway.context import GatewayContext
@@ -144,7 +145,16 @@ class RestFront:
         self.ctx = ctx
 
     async def health(self) -> Response:
-        return Response(status_code=200 if self.ctx.is_ready() else 503)
+        """200 while requests can be served (a decode node accepts and the gateway is not
+        draining), else 503; the body tells "ok" from "degraded" (e.g. no prefill node: slower,
+        local prefill) with per-tier counts, for people and dashboards, not for probes."""
+        ready = self.ctx.is_ready()
+        detail = self.ctx.registry.tier_status()
+        if self.ctx.admission.draining:
+            detail["status"] = "draining"
+        elif not ready:
+            detail["status"] = "unavailable"
+        return JSONResponse(detail, status_code=200 if ready else 503)
 
     async def models(self) -> ModelList:
         ctx = self.ctx
@@ -282,4 +292,6 @@ def build_app(ctx: GatewayContext) -> FastAPI:
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
+    if ctx.config.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.config.api_key)
     return app

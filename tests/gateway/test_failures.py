@@ -195,13 +195,27 @@ def test_no_healthy_decode_node_is_503(make_cluster: StartCluster) -> None:
     assert response.json()["error"]["message"] == "no healthy decode node is available"
 
 
-def test_unhealthy_prefill_tier_fails_health(make_cluster: StartCluster) -> None:
+def test_no_prefill_node_is_degraded_not_unready(make_cluster: StartCluster) -> None:
+    """Decode nodes prefill locally when no prefill node accepts: /health stays 200 (a
+    readiness probe must not take a working gateway out of rotation) and says "degraded"."""
     cluster = make_cluster()
-    cluster.prefill_nodes[0].accepting = False
     health = f"{cluster.base_url}/health"
-    wait_until(lambda: httpx.get(health, timeout=TIMEOUT_S).status_code == 503)
+    wait_until(lambda: httpx.get(health, timeout=TIMEOUT_S).json()["status"] == "ok")
+    cluster.prefill_nodes[0].accepting = False
+    wait_until(lambda: httpx.get(health, timeout=TIMEOUT_S).json()["status"] == "degraded")
+    reply = httpx.get(health, timeout=TIMEOUT_S)
+    assert reply.status_code == 200
+    assert reply.json()["nodes"]["prefill"] == {"accepting": 0, "total": 1}
+    assert reply.json()["nodes"]["decode"] == {"accepting": 2, "total": 2}
+    assert "127.0.0.1" not in reply.text  # no internal addresses
+    completion = httpx.post(
+        f"{cluster.base_url}/v1/completions",
+        json={"model": MODEL_NAME, "prompt": "a", "max_tokens": 3},
+        timeout=TIMEOUT_S,
+    )
+    assert completion.status_code == 200
     cluster.prefill_nodes[0].accepting = True
-    wait_until(lambda: httpx.get(health, timeout=TIMEOUT_S).status_code == 200)
+    wait_until(lambda: httpx.get(health, timeout=TIMEOUT_S).json()["status"] == "ok")
 
 
 def test_request_deadline(make_cluster: StartCluster) -> None:

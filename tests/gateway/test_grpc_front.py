@@ -144,3 +144,42 @@ def test_reflection_lists_the_services(channel: grpc.Channel) -> None:
     symbol = reflection_pb2.ServerReflectionRequest(file_containing_symbol="pdserve.v1.Gateway")
     (found,) = list(stub.ServerReflectionInfo(iter([symbol]), timeout=TIMEOUT_S))
     assert found.file_descriptor_response.file_descriptor_proto
+
+
+def test_client_request_ids_are_echoed_not_used_as_internal_ids(channel: grpc.Channel) -> None:
+    """Two concurrent calls with the same client id both succeed, each answered with it; an
+    id longer than the bound is INVALID_ARGUMENT."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def call(request_id: str) -> list[gateway_pb2.GenerateResponse]:
+        return generate(
+            channel,
+            text="Hello",
+            request_id=request_id,
+            sampling_params=common_pb2.SamplingParams(max_tokens=4, temperature=0.0),
+        )
+
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(call, ["same-id", "same-id"]))
+    for reply in replies:
+        assert reply[-1].finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
+        assert {r.request_id for r in reply} == {"same-id"}
+    with pytest.raises(grpc.RpcError) as info:
+        call("x" * 20000)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_malformed_message_is_invalid_argument(channel: grpc.Channel) -> None:
+    """Bytes that are no GenerateRequest (or ListModelsRequest): INVALID_ARGUMENT, not UNKNOWN;
+    the front keeps serving."""
+    for method in ("Generate", "ListModels"):
+        call = (channel.unary_stream if method == "Generate" else channel.unary_unary)(
+            f"/pdserve.v1.Gateway/{method}"
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            reply = call(b"\xff\xff\xff\xff garbage", timeout=TIMEOUT_S)
+            if method == "Generate":
+                list(reply)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+        assert "malformed" in info.value.details()
+    test_list_models(channel)

@@ -361,6 +361,10 @@ def test_prefill_node_refuses_hostile_kv_targets_and_keeps_serving(nodes, offlin
                 with pytest.raises(grpc.RpcError) as info:
                     stub.Prefill(request, timeout=10)
                 assert info.value.code() == code, (target, info.value.details())
+        garbage = channel.unary_unary("/pdserve.v1.PrefillNode/Prefill")
+        with pytest.raises(grpc.RpcError) as info:
+            garbage(b"\xff\xff\xff\xff not a message", timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     long_id = "r" * 20000
     p = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     chunks = generate(addresses["decode"], long_id, prompt, p, [addresses["prefill"]])
