@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import grpc
 from opentelemetry.context import Context
@@ -55,6 +56,14 @@ class InFlightRequest:
     """Parent of the request's remote prefill spans (None when tracing is off)."""
 
 
+_PROGRESS_CHECK_S = 0.5
+"""How often a running Prefill call looks at its progress."""
+_PROGRESS_GRACE_S = 1.0
+"""Without a KV message for this long, the prefill node is probed for liveness."""
+_PROBE_TIMEOUT_S = 1.0
+"""A prefill node that does not answer a load probe within this long is hung."""
+
+
 @dataclass
 class _Arrivals:
     """What the decode side sees of one transfer's messages, for its kv.receive span."""
@@ -93,6 +102,8 @@ class PrefillClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._probes: dict[str, tuple[float, asyncio.Future]] = {}
+        """address -> (when, GetLoad call) of the latest liveness probe (_alive)."""
 
     def _stub(self, address: str) -> node_pb2_grpc.PrefillNodeStub:
         channel = self._channels.get(address)
@@ -199,7 +210,7 @@ class PrefillClient:
         call = self._stub(address).Prefill(
             request, timeout=self.prefill_timeout_s, metadata=metadata
         )
-        response = await call
+        response = await self._watched(call, address, arrivals)
         try:
             stats = await self.receiver.wait(transfer_id, timeout_s=self.transfer_timeout_s)
         except (KVTransferError, TimeoutError, KVLayoutMismatch):
@@ -209,6 +220,44 @@ class PrefillClient:
         self.metrics.observe_transfer(stats)
         self._record_receive(arrivals, span, transfer_id, stats.bytes, stats.num_messages)
         return response, stats.bytes
+
+    async def _watched(self, call: Any, address: str, arrivals: _Arrivals) -> Any:
+        """The Prefill call's response. While it runs, a node that sent no KV for
+        _PROGRESS_GRACE_S is asked for its load (at most one probe per node at a time): a
+        queue is fine, silence is not; a node that does not answer within _PROBE_TIMEOUT_S
+        is hung (SIGSTOP, a stuck process): TimeoutError, so the caller tries the next
+        candidate or prefills locally, seconds into the hang rather than at its end."""
+        task = asyncio.ensure_future(call)
+        started = time.monotonic()
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_PROGRESS_CHECK_S)
+                if done:
+                    return task.result()
+                last = max(started, arrivals.last_s or 0.0)
+                if time.monotonic() - last >= _PROGRESS_GRACE_S and not await self._alive(address):
+                    raise TimeoutError(f"prefill node {address} stopped answering")
+        finally:
+            if not task.done():
+                call.cancel()
+                task.cancel()
+
+    async def _alive(self, address: str) -> bool:
+        """Whether the node answers GetLoad within _PROBE_TIMEOUT_S (one probe shared by every
+        request waiting on the node; its answer kept for _PROGRESS_CHECK_S)."""
+        probe = self._probes.get(address)
+        now = time.monotonic()
+        if probe is None or (probe[1].done() and now - probe[0] > _PROGRESS_CHECK_S):
+            stub = self._stub(address)
+            future = asyncio.ensure_future(
+                stub.GetLoad(node_pb2.GetLoadRequest(), timeout=_PROBE_TIMEOUT_S)
+            )
+            probe = self._probes[address] = (now, future)
+        try:
+            await asyncio.shield(probe[1])
+        except grpc.aio.AioRpcError:
+            return False
+        return True
 
     @staticmethod
     def _record_receive(

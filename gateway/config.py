@@ -70,6 +70,10 @@ class GatewayConfig(InternalTLSConfig):
     are closed."""
     max_connections: int = 4096
     """Open REST connections at most; more are answered 503 at once."""
+    stall_timeout_s: float = 5.0
+    """A stream whose decode node stops producing tokens moves to another decode node with
+    its tokens so far after this long without one (or 20 of its recent inter-token gaps, if
+    longer); at once (1 s) when the node's load polls fail."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <key>` on every REST route but /health,
     /metrics, /version and the dashboard page (also read from PDSERVE_API_KEY or
@@ -103,6 +107,8 @@ class GatewayConfig(InternalTLSConfig):
             raise ValueError(f"unknown log level {self.log_level!r}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.header_timeout_s <= 0:
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 1:

@@ -18,6 +18,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from opentelemetry.context import Context
@@ -90,6 +91,66 @@ class _NodeFailed(Exception):
     """A decode node could not finish a child; another node may."""
 
 
+_STALL_CHECK_S = 0.25
+"""How often a stream waiting for its next chunk looks at its node's health and the clock."""
+_UNHEALTHY_GRACE_S = 1.0
+"""A stream on a node the registry marked unhealthy moves after this long without a chunk."""
+_STALL_GAPS = 20
+"""A stream moves after this many of its recent inter-chunk gaps without a chunk (if longer
+than the stall timeout)."""
+
+
+class _StallWatch:
+    """Reads a Generate call's chunks with progress deadlines: a node that stops producing
+    (hung, SIGSTOPped, its engine stuck) costs its streams seconds, not the whole hang. A
+    stream moves (_NodeFailed) when its node turns unhealthy (polls fail: ~1 s for a stopped
+    process) and no chunk came for _UNHEALTHY_GRACE_S, or, once tokens flow, when none came
+    for max(stall_timeout_s, _STALL_GAPS x the recent gap). Before the first chunk (prefill,
+    queueing) only the first rule applies: how long a prompt takes is not known here."""
+
+    def __init__(self, node: NodeState, stall_timeout_s: float) -> None:
+        self._node = node
+        self._stall_timeout_s = stall_timeout_s
+        self._last_s = time.monotonic()
+        self._gap_s: float | None = None
+        """Exponential average of the gaps between chunks (None before the second chunk)."""
+        self._chunks = 0
+
+    async def next_chunk(self, call: Any) -> node_pb2.TokenChunk | None:
+        """The next chunk, None at the end of the stream; raises the call's error, or
+        _NodeFailed past a deadline."""
+        read = asyncio.ensure_future(call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=_STALL_CHECK_S)
+                if done:
+                    chunk = read.result()
+                    self._note()
+                    return None if chunk is grpc.aio.EOF else chunk
+                self._check(time.monotonic() - self._last_s)
+        finally:
+            if not read.done():
+                read.cancel()
+
+    def _note(self) -> None:
+        now = time.monotonic()
+        if self._chunks >= 1:
+            gap = now - self._last_s
+            self._gap_s = gap if self._gap_s is None else 0.8 * self._gap_s + 0.2 * gap
+        self._chunks += 1
+        self._last_s = now
+
+    def _check(self, waited_s: float) -> None:
+        if not self._node.healthy and waited_s >= _UNHEALTHY_GRACE_S:
+            raise _NodeFailed(f"no token for {waited_s:.1f}s from an unhealthy node")
+        if self._chunks and waited_s >= self._deadline_s():
+            raise _NodeFailed(f"stalled: no token for {waited_s:.1f}s")
+
+    def _deadline_s(self) -> float:
+        gap = self._gap_s or 0.0
+        return max(self._stall_timeout_s, _STALL_GAPS * gap)
+
+
 class GenerationPipeline:
     """Runs GenerationRequests on the decode nodes of a registry (see the module docstring)."""
 
@@ -100,7 +161,9 @@ class GenerationPipeline:
         router: Router,
         metrics: GatewayMetrics,
         rng: random.Random | None = None,
+        stall_timeout_s: float = 5.0,
     ) -> None:
+        self._stall_timeout_s = stall_timeout_s
         self._tokenizer = tokenizer
         self._registry = registry
         self._router = router
@@ -303,8 +366,9 @@ class GenerationPipeline:
         call = node.decode_stub.Generate(decode_request, timeout=timeout_s, metadata=metadata)
         node.num_inflight += 1
         error: BaseException | None = None
+        watch = _StallWatch(node, self._stall_timeout_s)
         try:
-            async for chunk in call:
+            while (chunk := await watch.next_chunk(call)) is not None:
                 release_prefill()
                 if chunk.token_ids:
                     timer.on_tokens(len(chunk.token_ids), node.address)

@@ -58,6 +58,7 @@ CONFIG_FLAGS = (
     "keep_alive_timeout_s",
     "header_timeout_s",
     "max_connections",
+    "stall_timeout_s",
     "ssl_keyfile",
     "ssl_certfile",
     "api_key",
@@ -221,7 +222,9 @@ async def serve(
         config=config,
         tokenizer=tokenizer,
         registry=registry,
-        generator=GenerationPipeline(tokenizer, registry, router, metrics),
+        generator=GenerationPipeline(
+            tokenizer, registry, router, metrics, stall_timeout_s=config.stall_timeout_s
+        ),
         admission=admission,
         token_texts=TokenTexts(tokenizer),
         metrics=metrics,

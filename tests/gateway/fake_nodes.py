@@ -35,6 +35,12 @@ class DecodeBehaviour:
     """Refuse every Generate call with this code."""
     die_after_tokens: int | None = None
     """Stop the whole server after streaming this many tokens of a call."""
+    hang_after_tokens: int | None = None
+    """After streaming this many tokens of a call, hang: the call sends nothing more and the
+    node's GetLoad answers nothing (as a SIGSTOPped process) until `hung` is cleared."""
+    stall_after_tokens: int | None = None
+    """After streaming this many tokens of a call, that call sends nothing more; GetLoad
+    keeps answering (a healthy-looking node whose engine is stuck)."""
     accepting: bool = True
     extra_load: int = 0
     """Added to num_running in GetLoad (steers the gateway's router away)."""
@@ -95,6 +101,7 @@ class FakeDecodeNode(node_pb2_grpc.DecodeNodeServicer):
     calls: list[CallRecord] = field(default_factory=list)
     aborted_ids: list[str] = field(default_factory=list)
     server: grpc.aio.Server | None = None
+    hung: bool = False
     _seen_prefixes: set[tuple[int, ...]] = field(default_factory=set)
     _active: int = 0
 
@@ -149,6 +156,11 @@ class FakeDecodeNode(node_pb2_grpc.DecodeNodeServicer):
                     chunk = node_pb2.TokenChunk()
                     if b.die_after_tokens is not None and len(out) >= b.die_after_tokens:
                         await self._die()
+                    if b.hang_after_tokens is not None and len(out) >= b.hang_after_tokens:
+                        self.hung = True
+                        await asyncio.sleep(60)
+                    if b.stall_after_tokens is not None and len(out) >= b.stall_after_tokens:
+                        await asyncio.sleep(60)
         except (asyncio.CancelledError, GeneratorExit):
             record.cancelled = True  # the gateway cancelled the call
             raise
@@ -167,6 +179,8 @@ class FakeDecodeNode(node_pb2_grpc.DecodeNodeServicer):
         return node_pb2.AbortResponse()
 
     async def GetLoad(self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        while self.hung:
+            await asyncio.sleep(0.05)
         return node_pb2.NodeLoad(
             node_id=self.node_id,
             role="decode",
@@ -213,6 +227,8 @@ class FakePrefillNode(node_pb2_grpc.PrefillNodeServicer):
     accepting: bool = True
 
     async def GetLoad(self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
+        while self.hung:
+            await asyncio.sleep(0.05)
         return node_pb2.NodeLoad(
             node_id=self.node_id,
             role="prefill",

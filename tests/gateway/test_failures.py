@@ -251,3 +251,29 @@ def test_drain_finishes_requests_in_flight_and_refuses_new_ones(make_cluster: St
     worker.join(TIMEOUT_S)
     assert result["r"].status_code == 200
     assert result["r"].json()["usage"]["completion_tokens"] == 20
+
+
+@pytest.mark.parametrize("how", ["hang_after_tokens", "stall_after_tokens"])
+def test_a_hung_decode_node_costs_its_streams_seconds_not_the_hang(
+    make_cluster: StartCluster, tokenizer: Tokenizer, script: list[int], how: str
+) -> None:
+    """A node that stops mid-stream (its polls failing too, as under SIGSTOP, or still
+    answering them, as with a stuck engine): the stream moves to the other node with its
+    tokens so far within the stall bounds, the text is exact, and the hung call is cancelled."""
+    cluster = make_cluster(
+        decode_behaviour=[{how: 4, "token_delay_s": 0.02}, {"extra_load": 100}],
+        stall_timeout_s=2.0,
+    )
+    start = time.monotonic()
+    out = _client(cluster).completions.create(
+        model=MODEL_NAME, prompt=[40, 41, 42], max_tokens=12, seed=5
+    )
+    elapsed = time.monotonic() - start
+    assert out.choices[0].text == tokenizer.decode(expected_tokens(script, 3, 5, 12))
+    first, second = cluster.decode_nodes
+    assert first.calls[0].num_tokens_sent == 4
+    assert list(second.calls[0].request.prompt_token_ids)[3:] == expected_tokens(script, 3, 5, 4)
+    bound = 3.5 if how == "hang_after_tokens" else 4.5  # unhealthy after ~1.5 s; stall 2 s
+    assert elapsed < bound, elapsed
+    wait_until(lambda: first.calls[0].cancelled)
+    first.hung = False
