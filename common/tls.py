@@ -15,6 +15,7 @@ under mutual TLS no party without a certificate ever learns one.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,8 @@ class InternalTLSConfig:
 
     tls_cert: str | None = None
     """PEM certificate this process presents to the other tiers (server and client side);
-    with --tls-key and --tls-ca, internal gRPC is mutual TLS. None: plaintext."""
+    with --tls-key and --tls-ca, internal gRPC is mutual TLS. None: $PDSERVE_TLS_CERT, else
+    plaintext (likewise $PDSERVE_TLS_KEY, _CA, _SERVER_NAME for the three below)."""
     tls_key: str | None = None
     """PEM private key of --tls-cert."""
     tls_ca: str | None = None
@@ -38,8 +40,16 @@ class InternalTLSConfig:
     addresses are pod IPs); None: the host dialled."""
 
     def tls_files(self) -> TLSFiles | None:
-        """The files read (ValueError naming what is missing or unreadable), or None."""
-        return TLSFiles.load(self.tls_cert, self.tls_key, self.tls_ca, self.tls_server_name)
+        """The files read (ValueError naming what is missing or unreadable), or None. A flag
+        left unset falls back to its environment variable (PDSERVE_TLS_CERT, PDSERVE_TLS_KEY,
+        PDSERVE_TLS_CA, PDSERVE_TLS_SERVER_NAME): how a compose file or pod spec turns mutual
+        TLS on for every role without restating their commands."""
+        return TLSFiles.load(
+            self.tls_cert or os.environ.get("PDSERVE_TLS_CERT"),
+            self.tls_key or os.environ.get("PDSERVE_TLS_KEY"),
+            self.tls_ca or os.environ.get("PDSERVE_TLS_CA"),
+            self.tls_server_name or os.environ.get("PDSERVE_TLS_SERVER_NAME"),
+        )
 
 
 @dataclass(frozen=True)

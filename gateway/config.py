@@ -61,9 +61,11 @@ class GatewayConfig(InternalTLSConfig):
     log_level: str = "INFO"
     """Logging level name."""
     ssl_keyfile: str | None = None
-    """PEM key of --ssl-certfile: the public REST and gRPC ports then speak TLS."""
+    """PEM key of --ssl-certfile: the public REST and gRPC ports then speak TLS (None:
+    $PDSERVE_SSL_KEYFILE, else plaintext)."""
     ssl_certfile: str | None = None
-    """PEM certificate (chain) the public REST and gRPC ports present."""
+    """PEM certificate (chain) the public REST and gRPC ports present (None:
+    $PDSERVE_SSL_CERTFILE)."""
     header_timeout_s: float = 10.0
     """How long a client may take to send a request's headers (from connecting, or from the
     first byte of a request on a kept-alive connection) and then its body; slower connections

@@ -127,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
             "api_key": args.api_key
             or os.environ.get("PDSERVE_API_KEY")
             or os.environ.get("VLLM_API_KEY"),
+            "ssl_certfile": args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE"),
+            "ssl_keyfile": args.ssl_keyfile or os.environ.get("PDSERVE_SSL_KEYFILE"),
         },
     )
 

@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    scheme = "https" if args.ssl_certfile else "http"
+    scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
     base = f"{scheme}://{host}:{args.port}"
     tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
     _prepare_cpu_kernels()

@@ -9,11 +9,17 @@ first process running `pdserve`) and probes what that role serves: the gateway's
 when every tier it routes to serves), a node's gRPC health service (NOT_SERVING while it
 drains), `pdserve serve`'s gateway. Other commands (make-model, bench) have nothing to probe
 and count as healthy. Standard library plus grpcio, which the image has anyway.
+
+TLS: gRPC probes use mutual TLS when PDSERVE_TLS_CERT, _KEY and _CA are set (the container's
+environment, which a health check inherits: docker-compose.tls.yml sets them); HTTP probes go
+over https (certificate not verified: it is this container's own server) when
+PDSERVE_SSL_CERTFILE is set or the command has --ssl-certfile.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
@@ -45,7 +51,8 @@ def target_from_argv(argv: Sequence[str]) -> str | None:
     host = "127.0.0.1" if host in _WILDCARDS else host
     port = flag(argv, "--port") or str(_ROLE_PORTS[role])
     if role in ("gateway", "serve"):
-        return f"http://{host}:{port}/health"
+        tls = flag(argv, "--ssl-certfile") or os.environ.get("PDSERVE_SSL_CERTFILE")
+        return f"{'https' if tls else 'http'}://{host}:{port}/health"
     return f"grpc://{host}:{port}"
 
 
@@ -65,8 +72,9 @@ def _pdserve_argv() -> list[str] | None:
 
 
 def probe_http(url: str) -> bool:
+    context = ssl._create_unverified_context() if url.startswith("https:") else None
     try:
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S, context=context) as response:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
@@ -76,13 +84,24 @@ def probe_grpc(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _channel(grpc, address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
         except grpc.RpcError:
             return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _channel(grpc, address: str):  # noqa: ANN001, ANN202 - grpc is imported lazily
+    paths = [os.environ.get(f"PDSERVE_TLS_{name}") for name in ("CERT", "KEY", "CA")]
+    if not all(paths):
+        return grpc.insecure_channel(address)
+    cert, key, ca = (open(path, "rb").read() for path in paths)  # type: ignore[arg-type]
+    credentials = grpc.ssl_channel_credentials(ca, key, cert)
+    name = os.environ.get("PDSERVE_TLS_SERVER_NAME")
+    options = [("grpc.ssl_target_name_override", name)] if name else []
+    return grpc.secure_channel(address, credentials, options)
 
 
 def probe(target: str) -> bool:

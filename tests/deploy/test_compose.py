@@ -222,3 +222,38 @@ def test_stop_grace_periods_parse() -> None:
     for service in load()["services"].values():
         if "stop_grace_period" in service:
             assert re.fullmatch(r"\d+s", service["stop_grace_period"])
+
+
+COMPOSE_TLS = DEPLOY / "docker-compose.tls.yml"
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
+def test_nodes_are_unreachable_from_outside_and_the_tls_overlay_is_complete() -> None:
+    """Nodes sit only on the internal network (no published port); with the TLS overlay every
+    pdserve role has a certificate the one-off job writes, the same CA and server name, and
+    waits for the job; the gateway's health check and Prometheus speak https."""
+    base = yaml.safe_load(compose_config(COMPOSE))
+    assert base["networks"]["internal"]["internal"] is True
+    for name in ("prefill", "decode", "model"):
+        assert set(base["services"][name]["networks"]) == {"internal"}
+        assert not base["services"][name].get("ports")
+    published = {name for name, s in base["services"].items() if s.get("ports")}
+    assert published == {"gateway", "prometheus", "grafana", "jaeger"}
+    for name in published:
+        assert set(base["services"][name]["networks"]) == {"internal", "edge"}
+    tls = yaml.safe_load(compose_config(COMPOSE, COMPOSE_TLS))
+    job = " ".join(tls["services"]["certs"]["command"])
+    assert "make-dev-certs.sh /certs" in job
+    for role in ("prefill", "decode", "gateway"):
+        service = tls["services"][role]
+        env = service["environment"]
+        assert env["PDSERVE_TLS_CERT"] == f"/certs/{role}.pem"
+        assert env["PDSERVE_TLS_KEY"] == f"/certs/{role}.key"
+        assert env["PDSERVE_TLS_CA"] == "/certs/ca.pem"
+        assert env["PDSERVE_TLS_SERVER_NAME"] == "pdserve.internal"
+        assert "certs:/certs:ro" in service["volumes"]
+        assert service["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        assert service["command"] == base["services"][role]["command"]  # commands unchanged
+    assert tls["services"]["gateway"]["healthcheck"]["test"][-1].startswith("https://")
+    scrape = yaml.safe_load((DEPLOY / "prometheus/prometheus.compose.tls.yml").read_text())
+    assert scrape["scrape_configs"][0]["scheme"] == "https"

@@ -349,3 +349,45 @@ def test_the_cpu_overlay_answers(tiny_llama: str, tmp_path: Path) -> None:
             assert sources <= scraped, f"{metric} reads {sources - scraped}, which nobody exposes"
         codes = stack.stop()
     assert codes == {name: 0 for name in containers}, stack.logs()
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_admit_only_the_tiers_that_talk(overlay: str) -> None:
+    """Every port of every pdserve pod is covered by a policy, and each internal port admits
+    exactly the component that calls it (and node metrics only Prometheus)."""
+    objects = render(f"overlays/{overlay}")
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    admitted: set[tuple[str, str, int]] = set()
+    for policy in policies:
+        target = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        for rule in policy["spec"]["ingress"]:
+            sources = [
+                peer["podSelector"]["matchLabels"].get("app.kubernetes.io/component")
+                or peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                for peer in rule.get("from", [])
+            ] or ["anyone"]
+            for source in sources:
+                for port in rule["ports"]:
+                    admitted.add((source, target, port["port"]))
+    assert admitted == {
+        ("anyone", "gateway", 8000),
+        ("anyone", "gateway", 50051),
+        ("gateway", "decode", 50061),
+        ("prefill", "decode", 50062),
+        ("decode", "prefill", 50071),
+        ("prometheus", "decode", 9400),
+        ("prometheus", "prefill", 9400),
+    }
+    # and those are the pods' ports
+    for obj in objects:
+        if obj["kind"] != "Deployment":
+            continue
+        component = obj["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        for container in obj["spec"]["template"]["spec"]["containers"]:
+            for port in container.get("ports", []):
+                assert any(a[1:] == (component, port["containerPort"]) for a in admitted), (
+                    component,
+                    port,
+                )

@@ -121,3 +121,25 @@ def test_internal_ports_refuse_clients_without_a_certificate_of_the_ca(stack, tm
                 with pytest.raises(grpc.RpcError) as info:
                     stub.GetLoad(node_pb2.GetLoadRequest(), timeout=5)
                 assert info.value.code() == grpc.StatusCode.UNAVAILABLE, (name, info.value)
+
+
+def test_the_container_health_check_speaks_tls(stack, certs, monkeypatch):
+    """deploy/docker/healthcheck.py with the container's PDSERVE_TLS_* / PDSERVE_SSL_* (as
+    docker-compose.tls.yml sets them): the nodes answer it over mutual TLS, the gateway over
+    https; without the certificates the probe fails (never a false "healthy")."""
+    from tests.deploy.described import healthcheck_module
+
+    probe = healthcheck_module()
+    nodes = [n["address"] for name, n in stack.nodes.items() if name != "gateway"]
+    for address in nodes:
+        assert not probe.probe(f"grpc://{address}")
+    monkeypatch.setenv("PDSERVE_TLS_CERT", str(certs / "gateway.pem"))
+    monkeypatch.setenv("PDSERVE_TLS_KEY", str(certs / "gateway.key"))
+    monkeypatch.setenv("PDSERVE_TLS_CA", str(certs / "ca.pem"))
+    monkeypatch.setenv("PDSERVE_TLS_SERVER_NAME", "pdserve.internal")
+    for address in nodes:
+        assert probe.probe(f"grpc://{address}"), address
+    port = stack.base_url.rsplit(":", 1)[1]
+    monkeypatch.setenv("PDSERVE_SSL_CERTFILE", str(certs / "gateway.pem"))
+    target = probe.target_from_argv(["gateway", "--port", port])
+    assert target == f"https://127.0.0.1:{port}/health" and probe.probe(target)
