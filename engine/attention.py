@@ -10,16 +10,19 @@ stride view ``kv_cache.transpose(2, 3)`` (``[num_blocks, 2, block_size, kv_heads
 
 The batch is flattened: tokens of all requests in one ``[num_tokens, ...]`` tensor, decodes
 (one query token each) first, then the multi-token requests (prefill chunks, speculative
-verification). CPU path: decodes are batched into grouped matmuls over the padded contexts;
-each multi-token request is one scaled_dot_product_attention of its own (a large op, so the
-loop costs nothing).
+verification). CPU path with the compiled kernels (use_cpu_attention_ops): one decode kernel
+call for the decodes, one prefill kernel call for every multi-token request (both read K/V
+straight out of the paged cache). Pure-torch path (the reference, and the fallback without a
+compiler): decodes batched into grouped matmuls over the padded contexts, each multi-token
+request one scaled_dot_product_attention of its own.
 
 Sliding-window layers (Gemma 3's local layers; ``window`` of ``paged_attention``): the query at
 position p attends to keys in (p - window, p], as transformers masks them. The cache keeps every
 position for every layer (one tensor over all layers, the same blocks for each); the window is
 applied when attending: the decode kernel starts each request's keys at seq_len - window, the
-torch decode path adds a windowed bias, the prefill path a windowed mask (and gathers no block
-before the first query's window). With window None nothing of this runs.
+torch decode path adds a windowed bias, the torch prefill path a windowed mask (and gathers no
+block before the first query's window), the prefill kernel reads no K/V tile before a query
+tile's window. With window None nothing of this runs.
 """
 
 from __future__ import annotations
@@ -28,9 +31,23 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+
+class PrefillBatch(NamedTuple):
+    """The multi-token requests of a step as the prefill kernel takes them."""
+
+    query_start: torch.Tensor
+    """[num_seqs] int64: each request's first query row in the flattened batch."""
+    query_len: torch.Tensor
+    """[num_seqs] int64."""
+    context_len: torch.Tensor
+    """[num_seqs] int64."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int64, padded with the null block 0."""
 
 
 @dataclass
@@ -66,6 +83,20 @@ class AttentionMetadata:
     block_size: int
 
     # Derived once per step and shared by every layer.
+
+    @cached_property
+    def prefill_batch(self) -> PrefillBatch:
+        """The prefills as the CPU prefill kernel's arguments."""
+        seqs = self.prefills
+        tables = torch.zeros(len(seqs), max(len(s.block_table) for s in seqs), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        return PrefillBatch(
+            torch.tensor([s.query_start for s in seqs], dtype=torch.long),
+            torch.tensor([s.query_len for s in seqs], dtype=torch.long),
+            torch.tensor([s.context_len for s in seqs], dtype=torch.long),
+            tables,
+        )
 
     def kv_rows(self, num_kv_heads: int) -> torch.Tensor:
         """Row ids of the new tokens' K (per head), computed once per step for every layer."""
@@ -106,16 +137,20 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
 
 
 _decode_kernel: Callable[..., torch.Tensor] | None = None
+_prefill_kernel: Callable[..., None] | None = None
 _store_kv: Callable[..., None] | None = None
 
 
 def use_cpu_attention_ops(ops: ModuleType | None) -> None:
     """Route CPU attention through the compiled kernels (pdserve_kernels/cpu): decode attention
     paged_decode_attention_out(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
-    int64, scale, out [B, Hq, D], window (0: none)) and the K/V store store_kv(k, v, kv_cache,
-    slot_mapping); or back to the pure-torch path with None."""
-    global _decode_kernel, _store_kv
+    int64, scale, out [B, Hq, D], window (0: none)), prefill attention
+    paged_prefill_attention_out(q [T, Hq, D], kv_cache, *PrefillBatch, scale, out, window) and
+    the K/V store store_kv(k, v, kv_cache, slot_mapping); or back to the pure-torch path with
+    None."""
+    global _decode_kernel, _prefill_kernel, _store_kv
     _decode_kernel = ops.paged_decode_attention_out if ops is not None else None
+    _prefill_kernel = ops.paged_prefill_attention_out if ops is not None else None
     _store_kv = ops.store_kv if ops is not None else None
 
 
@@ -175,6 +210,10 @@ def paged_attention(
         _decode_kernel(q[:nd], kv_cache, tables, lens, scale, out[:nd], window or 0)
     elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window)
+    if meta.prefills and _prefill_kernel is not None and not q.is_cuda:
+        # every multi-token request in one call, written straight into out's rows
+        _prefill_kernel(q, kv_cache, *meta.prefill_batch, scale, out, window or 0)
+        return out
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
         out[sl] = _prefill_attention(q[sl], k[sl], v[sl], kv_cache, seq, scale, window)

@@ -134,26 +134,6 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t first,
 // the query heads of a kv head together: each V row is loaded (bf16: widened to fp32) once per
 // tile for the whole group. Requests are split between threads by work (context length).
 
-// r[i] = horizontal sum of v[i], for 16 vectors.
-inline __m512 reduce16(__m512* v) {
-  __m512 w[8], x[4];
-  for (int i = 0; i < 8; ++i)
-    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
-    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // x[k]: each 128-bit lane m holds lane m's partial sums of v[4k .. 4k+3].
-  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44),
-                                   _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
-  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44),
-                                   _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
-                       _mm512_shuffle_f32x4(z01, z23, 0xDD));
-}
-
 inline void store_rounded(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
 inline void store_rounded(c10::BFloat16* dst, __m512 v) {
   for (int i = 0; i < 16; ++i) dst[i] = static_cast<c10::BFloat16>(reinterpret_cast<float*>(&v)[i]);

@@ -6,10 +6,14 @@
 //   task  = (sequence, kv head, tile of kQueryTile query rows); the query heads of the kv head's
 //           group are stacked into one M = group * rows matrix, so each K/V tile is loaded once
 //           for the whole group (GQA without repeating K/V);
-//   tiles = kKeyTile keys at a time, over the keys the task's rows can see only: tiles before
-//           the first row's window or past the last row's position are never read, nor are
-//           blocks past the sequence's context; each tile is packed (transposed, widened or
-//           paired for the bf16 dot product) into a small buffer: the only copy, L1-sized;
+//   tiles = kKeyTile keys at a time (tile t: positions [64 t, 64 t + 64)), over the keys the
+//           task's rows can see only: tiles before the first row's window or past the last
+//           row's position are skipped, blocks past the sequence's context never read;
+//   pack  = each K/V tile a query can see is packed once per call, read straight from its
+//           blocks into the layout the micro-kernels take (K transposed, widened to fp32 or
+//           paired for the bf16 dot product; V likewise), and shared by every query tile of
+//           the sequence: one pass over the visible K/V, as cheap as the SDPA path's gather,
+//           instead of one per query tile;
 //   math  = S = Q K^T and O += P V as register-blocked micro-kernels, an online softmax per row
 //           (fp32 running max and sum, the fp32 accumulator rescaled when the max grows); the
 //           diagonal tile and the window's edge are masked per row.
@@ -39,6 +43,11 @@
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PDSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -222,6 +231,115 @@ inline void row_chunks(int64_t m, F&& f) {
 }
 #endif  // __AVX512F__
 
+#if defined(PDSERVE_AMX)
+// AMX (bf16, head_dim % 64 == 0, where the OS grants the tile state): both products on the tile
+// unit, 16 query rows at a time (M padded to a multiple of 16 with zero rows). Q [M, D] is an A
+// operand as it is; the packed K [D/2, 64, 2] and V [32, D, 2] are B operands in the pair
+// (VNNI) layout the AVX-512 bf16 path uses too. P V goes to a fresh tile and is added to the
+// rescaled accumulator by AVX-512 (tiles cannot be scaled per row).
+
+// Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Configures every tile as 16 rows x 64 bytes in this thread while in scope.
+struct AmxTiles {
+  struct Config {  // ldtilecfg's 64-byte layout, palette 1
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  AmxTiles() {
+    Config c;
+    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes only: without this barrier
+    // the rest of the config may be stored after the ldtilecfg (which then faults).
+    asm volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+  }
+  ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
+
+// S [M, 64] = Q [M, D] K^T; tiles 0-3: S's four 16-key column blocks, 4: Q, 5-6: K.
+template <int kD>
+void scores_amx(const c10::BFloat16* q, const c10::BFloat16* kp, float* s, int64_t m) {
+  constexpr int kRow = 2 * kKeyTile * 2;  // bytes per K pair row
+  for (int64_t r = 0; r < m; r += 16) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int t = 0; t < kD / 32; ++t) {
+      const c10::BFloat16* k = kp + t * 16 * 2 * kKeyTile;  // dims [32t, 32t + 32)
+      _tile_loadd(4, q + r * kD + 32 * t, kD * 2);
+      _tile_loadd(5, k, kRow);
+      _tile_loadd(6, k + 32, kRow);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_dpbf16ps(1, 4, 6);
+      _tile_loadd(5, k + 64, kRow);
+      _tile_loadd(6, k + 96, kRow);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    float* out = s + r * kKeyTile;
+    _tile_stored(0, out, kKeyTile * 4);
+    _tile_stored(1, out + 16, kKeyTile * 4);
+    _tile_stored(2, out + 32, kKeyTile * 4);
+    _tile_stored(3, out + 48, kKeyTile * 4);
+  }
+}
+
+// acc = acc * rescale + P V: P V into tmp [M, D] (tiles 0-3: four 16-column blocks of it, 4: P,
+// 5-6: V), then added row by row.
+template <int kD>
+void accumulate_amx(float* acc, const float* rescale, const c10::BFloat16* p,
+                    const c10::BFloat16* vp, float* tmp, int64_t m, int64_t rows_used,
+                    int64_t nk) {
+  constexpr int kRow = 2 * kD * 2;  // bytes per V pair row
+  const int key_tiles = nk > 32 ? 2 : 1;  // keys past nk have P = 0 and V = 0
+  for (int64_t r = 0; r < m; r += 16) {
+    for (int c = 0; c < kD / 16; c += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int t = 0; t < key_tiles; ++t) {
+        const c10::BFloat16* v = vp + t * 16 * 2 * kD + 32 * c;  // keys [32t, 32t + 32)
+        _tile_loadd(4, p + r * kKeyTile + 32 * t, kKeyTile * 2);
+        _tile_loadd(5, v, kRow);
+        _tile_loadd(6, v + 32, kRow);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, v + 64, kRow);
+        _tile_loadd(6, v + 96, kRow);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+      float* out = tmp + r * kD + 16 * c;
+      _tile_stored(0, out, kD * 4);
+      _tile_stored(1, out + 16, kD * 4);
+      _tile_stored(2, out + 32, kD * 4);
+      _tile_stored(3, out + 48, kD * 4);
+    }
+  }
+  for (int64_t r = 0; r < rows_used; ++r) {
+    const __m512 f = _mm512_set1_ps(rescale[r]);
+    for (int c = 0; c < kD / 16; ++c) {
+      float* a = acc + r * kD + 16 * c;
+      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), f,
+                                          _mm512_loadu_ps(tmp + r * kD + 16 * c)));
+    }
+  }
+}
+#endif  // PDSERVE_AMX
+
 // Whether head_dim kD takes the AVX-512 micro-kernels (E == bf16 needs AVX512_BF16 too).
 template <typename E, int kD>
 constexpr bool kVectorKernels =
@@ -269,18 +387,23 @@ inline void accumulate(float* acc, const float* rescale, const E* p, const E* v,
 // Per-thread buffers, reused across tasks.
 template <typename E>
 struct Scratch {
-  std::vector<E> q, k, v, p;  // [M, D], packed K and V tiles, P [M, 64] (bf16 only)
-  std::vector<float> s, acc, row_max, row_sum, rescale;
+  std::vector<E> q, p;  // Q [M, D], P [M, 64] (bf16 only)
+  std::vector<float> s, acc, tmp;  // S [M, 64], acc [M, D], AMX's P V [M, D]
+  // Per row (arrays padded to whole 16-row groups): the running max and sum, this tile's
+  // rescale, new max and (AVX-512) sum vector [M, 16].
+  std::vector<float> row_max, row_sum, rescale, new_max, sums;
   void size(int64_t m, int64_t d) {
+    const int64_t m16 = (m + 15) / 16 * 16;
     q.resize(m * d);
-    k.resize(kKeyTile * d);
-    v.resize(kKeyTile * d);
     p.resize(m * kKeyTile);
     s.resize(m * kKeyTile);
     acc.resize(m * d);
-    row_max.resize(m);
-    row_sum.resize(m);
-    rescale.resize(m);
+    tmp.resize(m * d);
+    row_max.assign(m16, kNoScore);
+    row_sum.assign(m16, 0.f);
+    rescale.resize(m16);
+    new_max.assign(m16, kNoScore);
+    sums.resize(m16 * 16);
   }
 };
 
@@ -315,54 +438,164 @@ void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t
   }
 }
 
-// Online softmax of one tile's scores s (in place: s becomes P; bf16 also rounds P into p) for
-// rows [0, m): row r (query row r % rows, at position p0 + r % rows) sees tile keys [lo, hi);
-// its P row is exp(s - max) there and 0 elsewhere. Updates the row's running max and sum and
-// sets rescale[r], the factor its accumulator takes before this tile's P V is added.
+// The packed K/V tiles of every sequence and kv head a query of the call can see: sequence s's
+// tiles [first_tile[s], num_tiles[s]), kv head h's tile t (K then V, each kKeyTile * D) at
+// tile_index(s, h, t) * 2 * kKeyTile * D.
 template <typename E>
-void softmax_tile(float* s, E* p, float* row_max, float* row_sum, float* rescale, int64_t m,
-                  int64_t rows, int64_t p0, int64_t start, int64_t nk, int64_t window,
-                  float score_scale) {
+struct PackedKV {
+  std::vector<E> data;
+  std::vector<int64_t> first_tile, num_tiles, base;  // base: index of (s, head 0, first tile)
+  int64_t num_kv_heads = 0, head_dim = 0;
+  int64_t tile_index(int64_t s, int64_t h, int64_t t) const {
+    return base[s] + h * (num_tiles[s] - first_tile[s]) + t - first_tile[s];
+  }
+  const E* k(int64_t s, int64_t h, int64_t t) const {
+    return data.data() + tile_index(s, h, t) * 2 * kKeyTile * head_dim;
+  }
+};
+
+template <typename T, typename E>
+PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
+  PackedKV<E> kv;
+  kv.num_kv_heads = b.num_kv_heads, kv.head_dim = b.head_dim;
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t first_query = b.context_len[s] - b.query_len[s];
+    kv.first_tile.push_back(first_visible(first_query, b.window) / kKeyTile);
+    kv.num_tiles.push_back((b.context_len[s] + kKeyTile - 1) / kKeyTile);
+    kv.base.push_back(total);
+    total += b.num_kv_heads * (kv.num_tiles[s] - kv.first_tile[s]);
+  }
+  kv.data.resize(total * 2 * kKeyTile * b.head_dim);
+  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+    int64_t s = std::upper_bound(kv.base.begin(), kv.base.end(), begin) - kv.base.begin() - 1;
+    for (int64_t i = begin; i < end; ++i) {
+      while (s + 1 < num_seqs && kv.base[s + 1] <= i) ++s;
+      const int64_t per_head = kv.num_tiles[s] - kv.first_tile[s];
+      const int64_t h = (i - kv.base[s]) / per_head, t = kv.first_tile[s] + (i - kv.base[s]) % per_head;
+      const int64_t start = t * kKeyTile, nk = std::min(kKeyTile, b.context_len[s] - start);
+      E* kp = kv.data.data() + i * 2 * kKeyTile * b.head_dim;
+      pack_tile(b, b.tables + s * b.table_stride, h, start, nk, kp, kp + kKeyTile * b.head_dim);
+    }
+  });
+  return kv;
+}
+
+// Half-open range [lo, hi) of a tile's keys (tile-relative) the query at position pos sees.
+inline std::pair<int64_t, int64_t> visible_in_tile(int64_t pos, int64_t start, int64_t nk,
+                                                   int64_t window) {
+  return {std::max<int64_t>(0, first_visible(pos, window) - start),
+          std::min<int64_t>(nk, pos + 1 - start)};
+}
+
+// Online softmax of one tile's scores s (in place: s becomes P; bf16 also rounds P into p).
+// Row r = g * rows + i is query row i (at position p0 + i) of group head g and sees the tile's
+// keys visible_in_tile(p0 + i); its P row is exp(s - max) there and 0 elsewhere. Updates the
+// rows' running max and sum, and sets rescale[r], the factor the row's accumulator takes
+// before this tile's P V is added (~0 on a row's first tile: row_max is kNoScore; 1 on a tile
+// the row does not see).
+template <typename E>
+void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, int64_t p0,
+                  int64_t start, int64_t nk, int64_t window, float score_scale) {
+  float* row_max = w.row_max.data();
+  float* row_sum = w.row_sum.data();
+  float* rescale = w.rescale.data();
+  const int64_t m = group * rows;
+#if defined(__AVX512F__)
+  // Per row: the max (one horizontal reduction) and the exps; the sums stay vectors (sums[r])
+  // and the rows' rescales and sums are then updated 16 rows at a time.
+  float* new_max = w.new_max.data();
+  float* sums = w.sums.data();
+  for (int64_t i = 0; i < rows; ++i) {
+    const auto [lo, hi] = visible_in_tile(p0 + i, start, nk, window);
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = g * rows + i;
+      float* sr = s + r * kKeyTile;
+      __m512 sum = _mm512_setzero_ps();
+      if (lo >= hi) {
+        new_max[r] = row_max[r];
+        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sr + 16 * c, sum);
+      } else {
+        const uint64_t visible = (hi - lo == 64 ? ~0ull : ((1ull << (hi - lo)) - 1)) << lo;
+        __m512 x[4];
+        __m512 top = _mm512_set1_ps(row_max[r]);
+        for (int c = 0; c < 4; ++c) {
+          x[c] = _mm512_mul_ps(_mm512_loadu_ps(sr + 16 * c), _mm512_set1_ps(score_scale));
+          top = _mm512_mask_max_ps(top, static_cast<__mmask16>(visible >> (16 * c)), top, x[c]);
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        for (int c = 0; c < 4; ++c) {
+          const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>(visible >> (16 * c)),
+                                               exp16(_mm512_sub_ps(x[c], mx)));
+          _mm512_storeu_ps(sr + 16 * c, e);
+          sum = _mm512_add_ps(sum, e);
+        }
+        new_max[r] = _mm512_cvtss_f32(mx);
+      }
+      _mm512_storeu_ps(sums + 16 * r, sum);
+    }
+  }
+  for (int64_t r = 0; r < m; r += 16) {  // the arrays are padded to whole 16-row groups
+    const __m512 old_max = _mm512_loadu_ps(row_max + r), top = _mm512_loadu_ps(new_max + r);
+    const __m512 f = exp16(_mm512_sub_ps(old_max, top));
+    __m512 tile_sums[16];
+    for (int j = 0; j < 16; ++j) tile_sums[j] = _mm512_loadu_ps(sums + 16 * (r + j));
+    _mm512_storeu_ps(rescale + r, f);
+    _mm512_storeu_ps(row_sum + r, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum + r), f,
+                                                  reduce16(tile_sums)));
+    _mm512_storeu_ps(row_max + r, top);
+  }
+#else
   for (int64_t r = 0; r < m; ++r) {
-    const int64_t pos = p0 + r % rows;
-    const int64_t lo = std::max<int64_t>(0, first_visible(pos, window) - start);
-    const int64_t hi = std::min<int64_t>(nk, pos + 1 - start);
+    const auto [lo, hi] = visible_in_tile(p0 + r % rows, start, nk, window);
     float* sr = s + r * kKeyTile;
-    if (lo >= hi) {  // this row sees no key of the tile
+    if (lo >= hi) {
       rescale[r] = 1.f;
       std::fill(sr, sr + kKeyTile, 0.f);
-    } else {
-      float mx = row_max[r];
-      for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, sr[j] * score_scale);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < kKeyTile; ++j) {
-        const float e = expf(sr[j] * score_scale - mx);  // libmvec under -ffast-math
-        sr[j] = (j >= lo && j < hi) ? e : 0.f;
-        sum += sr[j];
-      }
-      rescale[r] = expf(row_max[r] - mx);  // ~0 on a row's first tile (row_max = kNoScore)
-      row_sum[r] = row_sum[r] * rescale[r] + sum;
-      row_max[r] = mx;
+      continue;
     }
-    if constexpr (!std::is_same_v<E, float>)
-      for (int64_t j = 0; j < kKeyTile; ++j) p[r * kKeyTile + j] = static_cast<E>(sr[j]);
+    float mx = row_max[r];
+    for (int64_t j = lo; j < hi; ++j) mx = std::max(mx, sr[j] * score_scale);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < kKeyTile; ++j) {
+      const float e = expf(sr[j] * score_scale - mx);  // libmvec under -ffast-math
+      sr[j] = (j >= lo && j < hi) ? e : 0.f;
+      sum += sr[j];
+    }
+    rescale[r] = expf(row_max[r] - mx);
+    row_sum[r] = row_sum[r] * rescale[r] + sum;
+    row_max[r] = mx;
+  }
+#endif
+  if constexpr (!std::is_same_v<E, float>) {
+    for (int64_t r = 0; r < m; ++r) {
+#if defined(__AVX512BF16__)
+      for (int64_t j = 0; j < kKeyTile; j += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kKeyTile + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * kKeyTile + j)));
+#else
+      for (int64_t j = 0; j < kKeyTile; ++j) p[r * kKeyTile + j] = static_cast<E>(s[r * kKeyTile + j]);
+#endif
+    }
   }
 }
 
-template <typename T, typename E, int kD>
-void run_task(const Batch<T>& b, const Task& t, Scratch<E>& w) {
+template <typename T, typename E, int kD, bool kAmx>
+void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E>& w) {
   const int64_t d = kD > 0 ? kD : b.head_dim, group = b.group;
   const int64_t rows = t.q_end - t.q_begin, m = group * rows;  // M: row g * rows + i
+  const int64_t m_tiles = kAmx ? (m + 15) / 16 * 16 : m;  // AMX: whole 16-row tiles, zero-padded
   const int64_t qlen = b.query_len[t.seq], ctx = b.context_len[t.seq];
   const int64_t p0 = ctx - qlen + t.q_begin;  // position of the task's first query row
-  const int64_t* table = b.tables + t.seq * b.table_stride;
   const int64_t first_token = b.query_start[t.seq] + t.q_begin;
   const int64_t first_head = t.kv_head * group;
   constexpr bool kFloat = std::is_same_v<E, float>;
   // bf16 products take Q as stored (scaling it would round it again); float Q is pre-scaled.
   const float q_scale = kFloat ? b.scale : 1.f, score_scale = kFloat ? 1.f : b.scale;
-  w.size(m, d);
+  w.size(m_tiles, d);
+  std::fill(w.q.begin() + m * d, w.q.end(), E(0.f));  // the padding rows (AMX), never written
+  std::fill(w.p.begin() + m * kKeyTile, w.p.end(), E(0.f));
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < rows; ++i) {
       const T* src = b.q + (first_token + i) * b.q_row + (first_head + g) * d;
@@ -373,17 +606,23 @@ void run_task(const Batch<T>& b, const Task& t, Scratch<E>& w) {
       }
     }
   std::fill(w.acc.begin(), w.acc.end(), 0.f);
-  std::fill(w.row_max.begin(), w.row_max.end(), kNoScore);
-  std::fill(w.row_sum.begin(), w.row_sum.end(), 0.f);
   const int64_t key_end = p0 + rows;  // past the last row's position
   E* p = kFloat ? reinterpret_cast<E*>(w.s.data()) : w.p.data();
-  for (int64_t start = first_visible(p0, b.window); start < key_end; start += kKeyTile) {
-    const int64_t nk = std::min(kKeyTile, key_end - start);
-    pack_tile(b, table, t.kv_head, start, nk, w.k.data(), w.v.data());
-    scores<E, kD>(w.q.data(), w.k.data(), w.s.data(), m, d);
-    softmax_tile(w.s.data(), p, w.row_max.data(), w.row_sum.data(), w.rescale.data(), m, rows,
-                 p0, start, nk, b.window, score_scale);
-    accumulate<E, kD>(w.acc.data(), w.rescale.data(), p, w.v.data(), m, d, nk);
+  for (int64_t tile = first_visible(p0, b.window) / kKeyTile; tile * kKeyTile < key_end; ++tile) {
+    const int64_t start = tile * kKeyTile, nk = std::min(kKeyTile, key_end - start);
+    const E* k = kv.k(t.seq, t.kv_head, tile);
+    const E* v = k + kKeyTile * d;
+#if defined(PDSERVE_AMX)
+    if constexpr (kAmx) scores_amx<kD>(w.q.data(), k, w.s.data(), m_tiles);
+#endif
+    if constexpr (!kAmx) scores<E, kD>(w.q.data(), k, w.s.data(), m, d);
+    softmax_tile(w.s.data(), p, w, group, rows, p0, start, nk, b.window, score_scale);
+#if defined(PDSERVE_AMX)
+    if constexpr (kAmx)
+      accumulate_amx<kD>(w.acc.data(), w.rescale.data(), p, v, w.tmp.data(), m_tiles,
+                         m, nk);
+#endif
+    if constexpr (!kAmx) accumulate<E, kD>(w.acc.data(), w.rescale.data(), p, v, m, d, nk);
   }
   for (int64_t g = 0; g < group; ++g)
     for (int64_t i = 0; i < rows; ++i) {
@@ -414,21 +653,30 @@ std::vector<Task> make_tasks(const Batch<T>& b, int64_t num_seqs) {
   return tasks;
 }
 
-template <typename T, typename E, int kD>
+template <typename T, typename E, int kD, bool kAmx = false>
 void prefill(const Batch<T>& b, int64_t num_seqs) {
+  const PackedKV<E> kv = pack_visible<T, E>(b, num_seqs);
   const std::vector<Task> tasks = make_tasks(b, num_seqs);
   const int64_t n = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const FlushDenormals flush;
+#if defined(PDSERVE_AMX)
+    std::conditional_t<kAmx, AmxTiles, FlushDenormals> tiles;  // (a second flush: a no-op)
+#endif
     Scratch<E> scratch;
-    for (int64_t i = next++; i < n; i = next++) run_task<T, E, kD>(b, tasks[i], scratch);
+    for (int64_t i = next++; i < n; i = next++) run_task<T, E, kD, kAmx>(b, kv, tasks[i], scratch);
   });
 }
 
 template <typename T, int kD>
 void prefill_math(const Batch<T>& b, int64_t num_seqs) {
+#if defined(PDSERVE_AMX)
+  if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 64 == 0) {
+    if (amx_granted()) return prefill<T, c10::BFloat16, kD, true>(b, num_seqs);  // tile unit
+  }
+#endif
   if constexpr (std::is_same_v<T, c10::BFloat16> && kVectorKernels<c10::BFloat16, kD>)
     prefill<T, c10::BFloat16, kD>(b, num_seqs);  // bf16 dot products
   else

@@ -1,4 +1,5 @@
-// Small vector helpers shared by the CPU kernels (paged_attention.cpp, fused_ops.cpp).
+// Small vector helpers shared by the CPU kernels (paged_attention.cpp, prefill_attention.cpp,
+// fused_ops.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -63,6 +64,26 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// r[i] = horizontal sum of v[i], for 16 vectors.
+inline __m512 reduce16(__m512* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(w[2 * i]), b = _mm512_castps_pd(w[2 * i + 1]);
+    x[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // x[k]: each 128-bit lane m holds lane m's partial sums of v[4k .. 4k+3].
+  const __m512 z01 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x44),
+                                   _mm512_shuffle_f32x4(x[0], x[1], 0xEE));
+  const __m512 z23 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x44),
+                                   _mm512_shuffle_f32x4(x[2], x[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
+                       _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
 #endif
 

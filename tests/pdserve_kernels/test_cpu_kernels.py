@@ -235,8 +235,10 @@ def test_paged_attention_sliding_window(ops, monkeypatch, path, block_size):
     and a short one; every query's output equals dense attention over its window."""
     if path == "torch":
         monkeypatch.setattr(attention, "_decode_kernel", None)
+        monkeypatch.setattr(attention, "_prefill_kernel", None)
     else:
         monkeypatch.setattr(attention, "_decode_kernel", ops.paged_decode_attention_out)
+        monkeypatch.setattr(attention, "_prefill_kernel", ops.paged_prefill_attention_out)
     window, hq, hkv, d = 12, 4, 2, 32
     g = torch.Generator().manual_seed(block_size)
     # (tokens cached before the step, tokens computed in it); decodes first

@@ -32,7 +32,7 @@ class Batch:
         perm = torch.randperm(num_blocks - 1, generator=g) + 1
         self.tables = torch.zeros(len(seqs), max(counts), dtype=torch.long)
         self.keys, self.values, used = [], [], 0
-        for i, ((_, ctx), nb) in enumerate(zip(seqs, counts)):
+        for i, ((_, ctx), nb) in enumerate(zip(seqs, counts, strict=True)):
             self.tables[i, :nb] = perm[used : used + nb]
             used += nb
             k = torch.randn(ctx, hkv, d, generator=g).to(dtype)
@@ -98,9 +98,11 @@ def test_mixed_lengths_gqa_head_dims(ops, dtype, hq, hkv, d):
     check(ops, MIXED, hq, hkv, d, block_size=16, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("d", [32, 48, 256])  # 48: the plain-loop path (not a multiple of 16)
-def test_other_head_dims(ops, d):
-    check(ops, [(40, 40), (20, 90)], 4, 2, d, block_size=8)
+def test_other_head_dims(ops, dtype, d):
+    """bf16: 32 takes the AVX512_BF16 dot products, 256 the AMX tiles (where the CPU has them)."""
+    check(ops, [(40, 40), (20, 90), (1, 70)], 4, 2, d, block_size=8, dtype=dtype)
 
 
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
@@ -148,6 +150,41 @@ def test_row_strided_views_and_other_rows_untouched(ops):
     )  # fmt: skip
     torch.testing.assert_close(out[:80].double(), batch.reference(0.125), atol=1e-5, rtol=1e-5)
     assert (out[80:] == 7.0).all()
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_engine_routes_prefills_through_kernel(ops, monkeypatch, window):
+    """One step with a decode, a fresh prompt, a chunk over a cached prefix and padding rows:
+    the engine's kernel route makes one prefill call and equals its pure-torch route."""
+    calls = []
+
+    def spy(*args):
+        calls.append(args[2].tolist())  # query_start
+        ops.paged_prefill_attention_out(*args)
+
+    hq, hkv, d, bs = 6, 2, 64, 16
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(40, 2, hkv, bs, d, generator=g)
+    q, k, v = (torch.randn(130, h, d, generator=g) for h in (hq, hkv, hkv))
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([torch.tensor([16 * 5 + 3]), torch.arange(16 * 10, 16 * 10 + 100),
+                                torch.arange(16 * 22 + 4, 16 * 22 + 32)]),
+        num_decode_tokens=1,
+        decode_block_tables=torch.tensor([[4, 5]]),
+        decode_seq_lens=torch.tensor([20]),
+        decode_mask=(torch.arange(32) < 20)[None, None, None, :],
+        prefills=[PrefillSeq(1, 100, 100, torch.arange(10, 17)),
+                  PrefillSeq(101, 28, 60, torch.tensor([30, 31, 21, 22]))],
+        block_size=bs,
+    )  # fmt: skip
+    outs = {}
+    for route in ("torch", "kernel"):
+        monkeypatch.setattr(attention, "_decode_kernel", None)
+        monkeypatch.setattr(attention, "_prefill_kernel", spy if route == "kernel" else None)
+        outs[route] = paged_attention(q, k, v, cache.clone(), meta, d**-0.5, window)
+    assert calls == [[1, 101]]
+    torch.testing.assert_close(outs["kernel"], outs["torch"], atol=1e-5, rtol=1e-5)
+    assert (outs["kernel"][129:] == 0).all()
 
 
 def test_rejects_bad_input(ops):
