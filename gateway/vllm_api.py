@@ -3,12 +3,12 @@ with vLLM's request and response fields) and GET /version."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from fastapi import FastAPI
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-import pdserve
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.openai_api import (
     RESERVED_TEMPLATE_KWARGS,
@@ -131,7 +131,7 @@ class VllmRoutes:
         return DetokenizeResponse(prompt=tokenizer.decode(ids))
 
     async def version(self) -> VersionResponse:
-        return VersionResponse(version=pdserve.__version__)
+        return VersionResponse(version=_VERSION)
 
 
 def add_vllm_routes(app: FastAPI, ctx: GatewayContext) -> None:
@@ -140,3 +140,11 @@ def add_vllm_routes(app: FastAPI, ctx: GatewayContext) -> None:
     app.add_api_route("/tokenize", routes.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", routes.detokenize, methods=["POST"])
     app.add_api_route("/version", routes.version, methods=["GET"])
+
+
+try:
+    _VERSION = importlib.metadata.version("pdserve")
+    """The installed distribution's version (the app package pdserve/ sits above the gateway
+    in the import layers, so it is not imported for it)."""
+except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    _VERSION = "0+unknown"
