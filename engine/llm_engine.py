@@ -35,6 +35,7 @@ from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode.metrics import SpecDecodeStats
 from pdserve.engine.spec_decode.speculator import Speculator, build_proposer
+from pdserve.engine.structured_output import GrammarCompiler
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.utils import cdiv
 
@@ -98,6 +99,9 @@ class LLMEngine:
         )
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size = arch.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        """Structured-output grammars, compiled and cached; thread-safe, so a node compiles a
+        request's grammar on a worker thread before add_request (which then finds it cached)."""
         kv = KVCacheManager(
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
@@ -264,6 +268,8 @@ class LLMEngine:
         self.validate(token_ids, params)
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        spec = params.structured_output
+        grammar = self.grammars.matcher(spec) if spec is not None else None  # ValueError if bad
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -274,6 +280,7 @@ class LLMEngine:
             seed=seed,
             wants_remote_prefill=wants_remote_prefill,
             prefill_only=prefill_only,
+            grammar=grammar,
         )
         self.scheduler.add_request(request)
         return request
@@ -373,4 +380,5 @@ class LLMEngine:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             eos_token_ids=request.eos_token_ids,
+            grammar=request.grammar,
         )

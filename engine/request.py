@@ -6,6 +6,12 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.engine.structured_output import StructuredOutputSpec
+
+if TYPE_CHECKING:
+    from pdserve.engine.structured_output import GrammarMatcher
 
 MAX_LOGPROBS = 20
 LOGIT_BIAS_LIMIT = 100.0
@@ -56,6 +62,9 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     """Token sequences never to generate: a sequence's last token is forbidden wherever the
     output ends with the rest of it (vLLM's bad_words, tokenized by the caller)."""
+    structured_output: StructuredOutputSpec | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar
+    (engine/structured_output.py)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -218,6 +227,8 @@ class Request:
     its KV goes on to a decode node, which generates the rest."""
     scheduled_s: float | None = None
     """When the request was first scheduled (time.monotonic() at the start of that step)."""
+    grammar: GrammarMatcher | None = None
+    """The structured-output matcher, advanced with every output token (None: unconstrained)."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -1,7 +1,7 @@
 """Batched sampling where every row of the batch has its own SamplingParams.
 
 A step's logits go through: logprobs of the raw logits (what the response reports) ->
-allowed_token_ids / bad words / logit_bias -> penalties -> min_tokens mask -> greedy argmax,
+the structured-output grammar's bitmask -> allowed_token_ids / bad words / logit_bias -> penalties -> min_tokens mask -> greedy argmax,
 or temperature -> top-k -> top-p -> min-p -> a seeded draw. Every random number is a pure function of (seed, stream, position, token id),
 so a seeded request samples the same tokens whatever else is in the batch, in whatever
 order, and resumes identically from any position.
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pdserve.engine.request import SamplingParams, TokenLogprobs
+from pdserve.engine.structured_output import GrammarMatcher, allocate_bitmask, apply_bitmask
 
 SAMPLE_STREAM = 0
 """uniform_noise stream of the sampler's own draws (and of the tokens a rejection sampler
@@ -130,6 +131,11 @@ class SampleRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     eos_token_ids: tuple[int, ...] = ()
+    grammar: GrammarMatcher | None = None
+    """The request's structured-output matcher, at the end of its output (not of drafts)."""
+    grammar_drafts: tuple[int, ...] = ()
+    """Speculative tokens between the matcher's state and this row's position (verification
+    rows: the grammar masks the position after them)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +229,8 @@ class SamplingMetadata:
     """(rows [B], token ids [B]) set to -inf because they would complete a bad word."""
     logit_bias: tuple[Tensor, Tensor, Tensor] | None
     """(rows [K], token ids [K], biases [K] float32) added to the logits."""
+    grammar_bitmask: tuple[Tensor, list[int]] | None
+    """([N, ceil(V / 32)] int32 bitmask, rows that have a grammar): what each allows next."""
     num_logprobs: tuple[int | None, ...]
     """Per row: SamplingParams.logprobs."""
     logprob_rows: Tensor | None
@@ -267,6 +275,7 @@ class SamplingMetadata:
             allowed=_build_allowed(rows, vocab_size, device),
             bad_words_mask=_build_bad_words_mask(rows, vocab_size, device),
             logit_bias=_build_logit_bias(rows, vocab_size, device),
+            grammar_bitmask=_build_grammar_bitmask(rows, vocab_size),
             num_logprobs=num_logprobs,
             logprob_rows=column(logprob_rows, torch.int64, bool(logprob_rows)),
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=0),
@@ -332,6 +341,22 @@ def _build_bad_words_mask(
         return None
     masked_rows, tokens = zip(*pairs, strict=True)
     return _int64(list(masked_rows), device), _int64(list(tokens), device)
+
+
+def _build_grammar_bitmask(
+    rows: list[SampleRow], vocab_size: int
+) -> tuple[Tensor, list[int]] | None:
+    """Each constrained row's next-token bitmask, filled by its matcher (in C++; no loop over
+    the vocabulary here). Rows without a grammar stay all-allowed and are not applied."""
+    constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+    if not constrained:
+        return None
+    bitmask = allocate_bitmask(len(rows), vocab_size)
+    for i in constrained:
+        grammar = rows[i].grammar
+        assert grammar is not None
+        grammar.fill_bitmask(bitmask, i, rows[i].grammar_drafts)
+    return bitmask, constrained
 
 
 def _build_logit_bias(
@@ -441,8 +466,13 @@ def _nucleus_floor(descending: Tensor, top_p: Tensor) -> Tensor:
 
 
 def process_logits(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """Token constraints (allowed ids, bad words, logit bias), penalties, then the min_tokens
-    mask: the logits whose argmax greedy rows take."""
+    """The grammar's mask, token constraints (allowed ids, bad words, logit bias), penalties,
+    then the min_tokens mask: the logits whose argmax greedy rows take. Never changes logits
+    itself (the raw logits give the logprobs)."""
+    if meta.grammar_bitmask is not None:
+        bitmask, constrained = meta.grammar_bitmask
+        logits = logits.clone()
+        apply_bitmask(logits, bitmask.to(logits.device), constrained)
     logits = apply_token_constraints(logits, meta)
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)

@@ -333,7 +333,7 @@ class Scheduler:
                 request.output_logprobs.append(logprob)
             new_ids.append(token_id)
             new_logprobs.append(logprob)
-            status = self._stop_status(request, token_id)
+            status = self._grammar_status(request, token_id) or self._stop_status(request, token_id)
             if status is not None:
                 self._finish(request, status)
                 break
@@ -346,6 +346,18 @@ class Scheduler:
             request.num_cached_tokens,
             request.scheduled_s,
         )
+
+    @staticmethod
+    def _grammar_status(request: Request, token_id: int) -> RequestStatus | None:
+        """Advance a constrained request's matcher by token_id: stopped once the grammar is
+        complete (its stop token accepted), or if the token breaks it (only reachable when
+        every token was masked, e.g. by min_tokens; the output ends valid so far)."""
+        grammar = request.grammar
+        if grammar is None or request.prefill_only:
+            return None
+        if not grammar.accept(token_id) or grammar.is_terminated:
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         if request.prefill_only:

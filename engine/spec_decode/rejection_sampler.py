@@ -5,7 +5,9 @@ q_i (one-hot for a deterministic proposer such as n-gram). The target scores all
 one forward, giving logits for positions N..N+k. p_i is exactly the distribution the plain
 Sampler would draw position N+i from had d_<i been sampled: one SampleRow per position with
 the output extended by the drafts before it and position N+i, so penalties, the min_tokens
-eos mask, temperature, top-k/p, min-p and the seed all hold.
+eos mask, temperature, top-k/p, min-p, the seed and a structured-output grammar (its matcher
+stepped through d_<i for row i, then back) all hold: a draft the grammar forbids has p_i = 0
+and is rejected.
 
 - Random rows: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first
   rejection emit a token drawn from normalise(max(0, p_i - q_i)) and stop; after k accepted
@@ -73,6 +75,7 @@ def expand_rows(item: DraftsToVerify) -> list[SampleRow]:
             row,
             position=row.position + i,
             output_token_ids=[*row.output_token_ids, *drafts[:i]],
+            grammar_drafts=tuple(drafts[:i]),
         )
         for i in range(1, len(drafts) + 1)
     ]
