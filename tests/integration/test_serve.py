@@ -272,3 +272,38 @@ def test_zz_after_everything_every_pool_is_free(stack):
     stack.wait_all_blocks_free()
     body = json.loads(httpx.get(f"{stack.base_url}/v1/models", timeout=10).text)
     assert body["object"] == "list"
+
+
+def test_a_200_request_burst_spreads_over_both_tiers(stack):
+    """200 requests at once (long enough prompts to be prefilled remotely): each prefill node
+    computes a fair share of the prompt tokens and each decode node runs a fair share of the
+    requests (the old choices, on polled loads from before the burst, sent it all to one)."""
+    from tests.observability.scrape import Samples, scrape
+
+    def counters() -> dict[str, float]:
+        out = {}
+        for name, node in stack.nodes.items():
+            if name == "gateway":
+                continue
+            samples = Samples(scrape(node["metrics_address"]))
+            metric = (
+                "prompt_tokens_total" if name.startswith("prefill") else "request_success_total"
+            )
+            out[name] = samples.value(f"pdserve:{metric}")
+        return out
+
+    rng = random.Random(99)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(40, 120))] for _ in range(200)]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    before = counters()
+    with ThreadPoolExecutor(200) as pool:
+        list(pool.map(lambda p: grpc_generate(stack.grpc_address, stack.model, p, params), prompts))
+    after = counters()
+    share = {name: after[name] - before[name] for name in after}
+    prefill = [v for n, v in share.items() if n.startswith("prefill")]
+    decode = [v for n, v in share.items() if n.startswith("decode")]
+    assert sum(decode) == 200, share
+    assert min(decode) >= 0.3 * sum(decode), share
+    assert sum(prefill) > 0.5 * sum(len(p) for p in prompts), share  # mostly remote prefill
+    assert min(prefill) >= 0.3 * sum(prefill), share
+    print(f"burst split: {share}")
