@@ -19,10 +19,15 @@
 //           diagonal tile and the window's edge are masked per row.
 //
 // Tasks are ordered by cost (longest first) and handed out dynamically to torch's threads, so
-// one long prompt keeps every core busy. bf16 with AVX512_BF16: both products with the bf16
-// dot-product instruction (P rounded to bf16, as FlashAttention does on GPUs; fp32 sums).
-// AVX-512 otherwise: fp32 FMA micro-kernels. Elsewhere (or head_dim % 16 != 0): the same
-// tiling with plain loops the compiler vectorises for its target (AVX2 ...).
+// one long prompt keeps every core busy. The products, by what the CPU has (fastest first):
+//   bf16, AMX (head_dim % 64 == 0, tile state granted by the OS): both products on the tile
+//     unit, P rounded to bf16 as FlashAttention does on GPUs, fp32 sums; the vectorised
+//     softmax is then most of the time;
+//   bf16, AVX512_BF16 (head_dim % 16 == 0): the bf16 dot-product instruction, same roundings;
+//   AVX-512 (fp32, or bf16 without the above): fp32 FMA micro-kernels, Q and K/V widened;
+//   elsewhere (or another head_dim): the same tiling with plain loops the compiler vectorises
+//     for its target (AVX2 ...).
+// fp32 stays fp32 throughout (the engine is token-exact with transformers in fp32).
 //
 // Layout (engine/attention.py): cache [num_blocks, 2, num_kv_heads, block_size, head_dim];
 // q / out [num_tokens, num_q_heads, head_dim] (packed heads, any row stride); sequence s has
