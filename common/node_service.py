@@ -10,6 +10,7 @@ and reaches the client as INTERNAL, logged with its traceback.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.request import SamplingParams
 from pdserve.kvtransfer.wire import KVLayoutMismatch
 from pdserve.v1 import node_pb2
 
@@ -177,6 +179,14 @@ class NodeService:
     def check_accepting(self) -> None:
         if not self.accepting:
             raise NodeError.draining()
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output grammar on a worker thread (cached by
+        spec), so that add_request on the engine thread finds it ready; ValueError when bad."""
+        spec = params.structured_output
+        grammars = self.loop.engine.grammars
+        if spec is not None and not grammars.is_cached(spec):
+            await asyncio.to_thread(grammars.compile, spec)
 
     @property
     def kv_address(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdserve.engine.request import RequestStatus, SamplingParams, TokenLogprobs
+from pdserve.engine.structured_output import StructuredOutputKind, StructuredOutputSpec
 from pdserve.kvtransfer.wire import LayoutSignature
 from pdserve.v1 import common_pb2, node_pb2
 
@@ -13,6 +14,15 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: common_pb2.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: common_pb2.FINISH_REASON_ABORT,
 }
+
+_KINDS = {
+    StructuredOutputKind.JSON: common_pb2.STRUCTURED_OUTPUT_KIND_JSON,
+    StructuredOutputKind.JSON_OBJECT: common_pb2.STRUCTURED_OUTPUT_KIND_JSON_OBJECT,
+    StructuredOutputKind.REGEX: common_pb2.STRUCTURED_OUTPUT_KIND_REGEX,
+    StructuredOutputKind.CHOICE: common_pb2.STRUCTURED_OUTPUT_KIND_CHOICE,
+    StructuredOutputKind.GRAMMAR: common_pb2.STRUCTURED_OUTPUT_KIND_GRAMMAR,
+}
+_KINDS_FROM_PROTO = {v: k for k, v in _KINDS.items()}
 
 _OPTIONAL_FIELDS = (
     "temperature",
@@ -41,7 +51,22 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=tuple(msg.allowed_token_ids) or None,
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words),
+        structured_output=structured_output_from_proto(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
     )
+
+
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutputSpec:
+    """ValueError for an unset or unknown kind."""
+    kind = _KINDS_FROM_PROTO.get(msg.kind)
+    if kind is None:
+        raise ValueError(f"structured_output.kind {msg.kind} is not a known kind")
+    return StructuredOutputSpec(kind, msg.value)
+
+
+def structured_output_to_proto(spec: StructuredOutputSpec) -> common_pb2.StructuredOutput:
+    return common_pb2.StructuredOutput(kind=_KINDS[spec.kind], value=spec.text)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
@@ -60,6 +85,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return msg
 
 

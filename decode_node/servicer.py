@@ -59,6 +59,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         if not rid or rid in self.tracked:
             raise NodeError.invalid(f"bad or duplicate id {rid!r}")
         params = sampling_params_from_proto(request.sampling_params)
+        await self.compile_grammar(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         prompt = list(request.prompt_token_ids)
         candidates = list(request.prefill_candidates) if self.prefiller else []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -95,7 +96,8 @@ def build_grammar(spec: StructuredOutputSpec) -> xgrammar.Grammar:
             return xgr.Grammar.from_ebnf(_choice_ebnf(spec.text))
         return xgr.Grammar.from_ebnf(spec.text)
     except (RuntimeError, json.JSONDecodeError, TypeError) as exc:  # xgrammar raises RuntimeError
-        raise ValueError(f"invalid {kind.value}: {_first_line(exc)}") from exc
+        what = "JSON schema" if kind is StructuredOutputKind.JSON else kind.value
+        raise ValueError(f"invalid {what}: {_first_line(exc)}") from exc
 
 
 def check_spec(spec: StructuredOutputSpec) -> None:
@@ -104,8 +106,9 @@ def check_spec(spec: StructuredOutputSpec) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
+    """The error's first line without xgrammar's "[time] file.cc:line: " prefix."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", text.splitlines()[0])[:500]
 
 
 class GrammarMatcher:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from pdserve.gateway.completions import final_usage, usage
 from pdserve.gateway.context import GatewayContext
+from pdserve.gateway.errors import ApiError
 from pdserve.gateway.generation import GenerationRequest
 from pdserve.gateway.logprobs import chat_logprobs
 from pdserve.gateway.openai_api import (
@@ -20,6 +22,9 @@ from pdserve.gateway.openai_api import (
     ChatLogprobs,
     ChatResponseMessage,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from pdserve.gateway.prompts import chat_prompt_ids
 from pdserve.gateway.sampling import (
@@ -29,18 +34,47 @@ from pdserve.gateway.sampling import (
     to_sampling_params,
 )
 from pdserve.gateway.sequence import CompletionDelta, collect
+from pdserve.gateway.structured_outputs import add_structured_output, check, structured_output_of
+from pdserve.gateway.tool_calls import (
+    ToolOutput,
+    check_tools,
+    constraint,
+    new_call_id,
+    parse_output,
+    resolve_tool_choice,
+    template_messages,
+)
+
+
+def tool_choice_of(ctx: GatewayContext, body: ChatCompletionRequest) -> Any:
+    """The request's effective tool_choice ("none" without tools; raises ApiError)."""
+    functions = check_tools(body.tools)
+    auto = ctx.config.enable_auto_tool_choice and ctx.config.tool_call_parser is not None
+    return resolve_tool_choice(body.tool_choice, functions, auto)
+
+
+def _split(ctx: GatewayContext, text: str, tool_choice: Any) -> ToolOutput:
+    return parse_output(text, tool_choice, ctx.config.tool_call_parser)
+
+
+def _finish_reason(reason: str | None, output: ToolOutput) -> str | None:
+    return "tool_calls" if output.calls and reason == "stop" else reason
 
 
 def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> GenerationRequest:
     """Check, template, tokenize and size a chat request (raises ApiError)."""
     ctx.check_model(body.model)
     max_model_len = ctx.check_decode_available()
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    tool_choice = tool_choice_of(ctx, body)
+    functions = check_tools(body.tools)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if functions:
+        template_kwargs["tools"] = body.tools
     prompt_ids = chat_prompt_ids(
         ctx.tokenizer,
-        messages,
+        template_messages(body.messages),
         body.add_generation_prompt,
-        body.chat_template_kwargs,
+        template_kwargs,
         body.continue_final_message,
     )
     if body.truncate_prompt_tokens is not None:
@@ -49,6 +83,19 @@ def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Generation
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = to_sampling_params(body, max_tokens, logprobs)
     add_token_constraints(params, body, ctx.tokenizer)
+    spec = structured_output_of(body)
+    tool_spec = constraint(tool_choice, functions, body.parallel_tool_calls)
+    if tool_spec is not None:
+        if spec is not None:
+            raise ApiError.bad_request(
+                "tool_choice required or a named function cannot be combined with another "
+                "structured output constraint",
+                "tool_choice",
+            )
+        check(tool_spec, "tools")  # a tool's parameters that are not a usable JSON schema
+        spec = tool_spec
+    if spec is not None:
+        add_structured_output(params, spec)
     check_min_tokens(params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return ctx.new_request(
@@ -64,10 +111,20 @@ async def chat_response(
 ) -> ChatCompletionResponse:
     """The whole chat completion once every choice has finished."""
     outputs = await collect(deltas, request.n)
+    tool_choice = tool_choice_of(ctx, body)
+    split = [_split(ctx, out.text, tool_choice) for out in outputs]
     choices = [
         ChatChoice(
             index=out.index,
-            message=ChatResponseMessage(content=out.text),
+            message=ChatResponseMessage(
+                content=parts.content,
+                tool_calls=[
+                    ToolCall(
+                        id=new_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments)
+                    )
+                    for c in parts.calls
+                ],
+            ),
             logprobs=ChatLogprobs(
                 content=chat_logprobs(
                     out.logprobs, ctx.token_texts, body.return_tokens_as_token_ids
@@ -75,11 +132,11 @@ async def chat_response(
             )
             if body.logprobs
             else None,
-            finish_reason=out.finish_reason,  # type: ignore[arg-type]
+            finish_reason=_finish_reason(out.finish_reason, parts),  # type: ignore[arg-type]
             stop_reason=out.stop_reason,
             token_ids=out.token_ids if body.return_token_ids else None,
         )
-        for out in outputs
+        for out, parts in zip(outputs, split, strict=True)
     ]
     return ChatCompletionResponse(
         id=request.request_id,
@@ -123,6 +180,8 @@ async def chat_stream(
         yield chunk([role], request.prompt_token_ids if first else None)
     num_output_tokens = [0] * request.n
     num_cached_tokens = 0
+    tool_choice = tool_choice_of(ctx, body)
+    held = [""] * request.n  # with tools, a choice's text is parsed once it has finished
     async for delta in deltas:
         num_output_tokens[delta.index] = delta.num_output_tokens
         if delta.index == 0:
@@ -134,11 +193,20 @@ async def chat_stream(
                     delta.logprobs, ctx.token_texts, body.return_tokens_as_token_ids
                 )
             )
+        message = DeltaMessage(content=delta.text)
+        finish_reason = delta.finish_reason
+        if tool_choice != "none":
+            held[delta.index] += delta.text
+            message = DeltaMessage(content=None)
+            if finish_reason is not None:
+                parts = _split(ctx, held[delta.index], tool_choice)
+                message = _tool_delta(parts)
+                finish_reason = _finish_reason(finish_reason, parts)
         choice = ChatChunkChoice(
             index=delta.index,
-            delta=DeltaMessage(content=delta.text),
+            delta=message,
             logprobs=logprobs,
-            finish_reason=delta.finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish_reason,  # type: ignore[arg-type]
             stop_reason=delta.stop_reason,
             token_ids=delta.token_ids if body.return_token_ids else None,
         )
@@ -152,3 +220,17 @@ async def chat_stream(
             usage=usage(len(request.prompt_token_ids), num_cached_tokens, sum(num_output_tokens)),
         )
         yield last.model_dump_json()
+
+
+def _tool_delta(parts: ToolOutput) -> DeltaMessage:
+    """A finished choice's content and calls as one delta (each call whole, with its id)."""
+    calls = [
+        DeltaToolCall(
+            index=i,
+            id=new_call_id(),
+            type="function",
+            function=FunctionCall(name=c.name, arguments=c.arguments),
+        )
+        for i, c in enumerate(parts.calls)
+    ]
+    return DeltaMessage(content=parts.content, tool_calls=calls or None)

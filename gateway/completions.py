@@ -32,6 +32,7 @@ from pdserve.gateway.sampling import (
     to_sampling_params,
 )
 from pdserve.gateway.sequence import CompletionDelta, FinalOutput, collect
+from pdserve.gateway.structured_outputs import add_structured_output, structured_output_of
 
 
 def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> GenerationRequest:
@@ -49,6 +50,9 @@ def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Generati
         logprobs = 0  # best_of ranks candidates by their cumulative logprob
     params = to_sampling_params(body, max_tokens, logprobs)
     add_token_constraints(params, body, ctx.tokenizer)
+    spec = structured_output_of(body)
+    if spec is not None:
+        add_structured_output(params, spec)
     check_min_tokens(params)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     batch = tuple(prompts) if len(prompts) > 1 else ()

@@ -76,6 +76,12 @@ class GatewayConfig(InternalTLSConfig):
     """A stream whose decode node stops producing tokens moves to another decode node with
     its tokens so far after this long without one (or 20 of its recent inter-token gaps, if
     longer); at once (1 s) when the node's load polls fail."""
+    tool_call_parser: str | None = None
+    """How tool_choice "auto" finds tool calls in the output: hermes (<tool_call> JSON) or
+    llama3_json (vLLM's names; needs --enable-auto-tool-choice)."""
+    enable_auto_tool_choice: bool = False
+    """Accept tool_choice "auto" (the default when tools are given), parsed with
+    --tool-call-parser."""
     api_key: str | None = None
     """Clients must send `Authorization: Bearer <key>` on every REST route but /health,
     /metrics, /version and the dashboard page (also read from PDSERVE_API_KEY or
@@ -115,4 +121,10 @@ class GatewayConfig(InternalTLSConfig):
             raise ValueError(f"header_timeout_s must be > 0, got {self.header_timeout_s}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.tool_call_parser not in (None, "hermes", "llama3_json"):
+            raise ValueError(
+                f"tool_call_parser must be hermes or llama3_json, got {self.tool_call_parser!r}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
         self.tls_files()  # all three internal TLS files or none, readable

@@ -62,6 +62,8 @@ CONFIG_FLAGS = (
     "ssl_keyfile",
     "ssl_certfile",
     "api_key",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
     "tls_cert",
     "tls_key",
     "tls_ca",

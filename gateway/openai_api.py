@@ -3,7 +3,8 @@ sampling extensions) and every response, streamed or not.
 
 Requests are parsed strictly (a string where a number belongs is a 400, not coerced). Unknown
 fields are ignored with a logged warning, as vLLM does; fields we know but do not implement yet
-(tools, structured outputs, prompt_logprobs, ...) are a 400 naming them, never ignored. Every
+(functions, prompt_logprobs, ...) are a 400 naming them, never ignored. Structured outputs and
+tools are checked in structured_outputs.py and tool_calls.py. Every
 integer the nodes receive fits int32 (seeds int64), and no string may hold a lone surrogate.
 """
 
@@ -31,7 +32,7 @@ MAX_LOGPROBS = 20
 """Most top logprobs per token (the engine's limit)."""
 _INT64 = 1 << 63
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class _Request(BaseModel):
@@ -77,16 +78,9 @@ class TopLevelRequest(_Request):
 
 
 UNSUPPORTED_FIELDS = (
-    "tools",
     "functions",
     "function_call",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_decoding_backend",
     "guided_whitespace_pattern",
-    "structured_outputs",
     "prompt_logprobs",
     "use_beam_search",
     "logits_processors",
@@ -102,7 +96,6 @@ them when set, never silently ignored."""
 
 
 _ENDPOINT_ONLY = (
-    "tools",
     "functions",
     "function_call",
     "chat_template",
@@ -158,14 +151,15 @@ class SamplingRequest(TopLevelRequest):
     """vLLM: keep only the prompt's last k tokens."""
     cache_salt: str | None = None
     priority: Int32 = 0
-    # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
+    # Structured outputs (checked and converted by structured_outputs.py)
+    structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None
+    guided_decoding_backend: str | None = None
+    # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
     guided_whitespace_pattern: Any = None
-    structured_outputs: Any = None
     prompt_logprobs: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
@@ -282,6 +276,8 @@ class ChatMessage(_Request):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """An assistant message's calls ({"id", "type", "function": {"name", "arguments"}})."""
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines, as vLLM does)."""
@@ -307,13 +303,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     # vLLM extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
-    tools: Any = None
     functions: Any = None
     function_call: Any = None
     chat_template: Any = None
@@ -321,23 +318,6 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: Any = None
 
     _check_chat_unsupported = field_validator(*_ENDPOINT_ONLY, mode="before")(_reject_unsupported)
-
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
-        if fmt is not None and fmt.get("type", "text") != "text":
-            raise ValueError(
-                f"response_format type {fmt.get('type')!r} (structured outputs) is not "
-                "supported by this server yet; only 'text' is"
-            )
-        return fmt
-
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _check_tool_choice(cls, choice: Any) -> Any:
-        if choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server yet")
-        return choice
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -447,12 +427,37 @@ class ChatLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A tool call's function and its arguments (JSON text)."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One tool call of the assistant's message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call (its index in the message's tool_calls)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatResponseMessage(BaseModel):
     """The assistant's message in a chat completion."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -485,6 +490,7 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

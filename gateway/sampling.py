@@ -14,6 +14,7 @@ from pdserve.gateway.openai_api import (
     MAX_STOP_STRINGS,
     SamplingRequest,
 )
+from pdserve.gateway.structured_outputs import check_wire_structured_output
 from pdserve.v1 import common_pb2
 
 _OPTIONAL_FIELDS = (
@@ -138,6 +139,7 @@ def check_sampling_params(params: common_pb2.SamplingParams) -> None:
         raise ApiError.bad_request(f"at most {MAX_STOP_STRINGS} stop strings are allowed", "stop")
     if any(t < 0 for t in params.stop_token_ids):
         raise ApiError.bad_request("stop_token_ids must be >= 0", "stop_token_ids")
+    check_wire_structured_output(params)
 
 
 def fit_max_tokens(

@@ -117,6 +117,7 @@ class PrefillServicer(NodeService, node_pb2_grpc.PrefillNodeServicer):
         # a mismatch is FAILED_PRECONDITION (never garbage KV), bad params INVALID_ARGUMENT
         self.connector.layout.check(layout_from_proto(target.layout))
         params = sampling_params_from_proto(request.sampling_params)
+        await self.compile_grammar(params)
         observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
         push = PushTarget(
             target.address,

@@ -100,10 +100,14 @@ def test_draft_rows_are_masked_after_their_drafts_and_the_matcher_is_unchanged(
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        (StructuredOutputSpec(StructuredOutputKind.JSON, "{not json"), "invalid json"),
+        (StructuredOutputSpec(StructuredOutputKind.JSON, "{not json"), "invalid JSON schema"),
         (StructuredOutputSpec(StructuredOutputKind.REGEX, "(unclosed"), "invalid regex"),
         (StructuredOutputSpec(StructuredOutputKind.GRAMMAR, "root ::= missing"), "invalid grammar"),
         (StructuredOutputSpec(StructuredOutputKind.CHOICE, "[]"), "non-empty list"),
+        (
+            StructuredOutputSpec(StructuredOutputKind.JSON, '{"type": "strange"}'),
+            'invalid JSON schema: Unsupported type "strange"',
+        ),
     ],
 )
 def test_bad_specs_are_value_errors(spec: StructuredOutputSpec, message: str) -> None:
