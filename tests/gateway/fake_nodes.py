@@ -227,8 +227,6 @@ class FakePrefillNode(node_pb2_grpc.PrefillNodeServicer):
     accepting: bool = True
 
     async def GetLoad(self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext):
-        while self.hung:
-            await asyncio.sleep(0.05)
         return node_pb2.NodeLoad(
             node_id=self.node_id,
             role="prefill",
