@@ -54,6 +54,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         structured_output=structured_output_from_proto(msg.structured_output)
         if msg.HasField("structured_output")
         else None,
+        structured_output_resume=msg.structured_output.num_generated_in_prompt,
     )
 
 
@@ -87,6 +88,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
             setattr(msg, name, value)
     if params.structured_output is not None:
         msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
+        msg.structured_output.num_generated_in_prompt = params.structured_output_resume
     return msg
 
 

@@ -270,6 +270,18 @@ class LLMEngine:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         spec = params.structured_output
         grammar = self.grammars.matcher(spec) if spec is not None else None  # ValueError if bad
+        if grammar is not None and params.structured_output_resume:
+            resumed = params.structured_output_resume
+            if resumed > len(token_ids):
+                raise ValueError(
+                    f"structured_output_resume={resumed} exceeds the prompt's {len(token_ids)} tokens"
+                )
+            for position, token in enumerate(token_ids[-resumed:]):
+                if not grammar.accept(token):
+                    raise ValueError(
+                        f"generated token {token} (resumed position {position}) does not match "
+                        "the structured output's grammar"
+                    )
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

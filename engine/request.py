@@ -65,6 +65,9 @@ class SamplingParams:
     structured_output: StructuredOutputSpec | None = None
     """Constrain the output to a JSON schema, regex, choice or grammar
     (engine/structured_output.py)."""
+    structured_output_resume: int = 0
+    """The last this many prompt tokens were generated under structured_output (a request
+    resumed elsewhere with its tokens so far): the matcher accepts them before sampling."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -83,6 +86,13 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
+        if self.structured_output_resume < 0 or (
+            self.structured_output_resume and self.structured_output is None
+        ):
+            raise ValueError(
+                "structured_output_resume must be >= 0, and 0 without structured_output, got "
+                f"{self.structured_output_resume}"
+            )
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

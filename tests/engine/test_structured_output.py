@@ -202,3 +202,34 @@ def test_remote_prefill_first_token_under_the_grammar_then_the_decode_matcher(
     while decode.has_unfinished_requests():
         decode.step()
     assert request.output_token_ids == expected
+
+
+def test_a_resumed_request_replays_its_generated_tokens_into_the_matcher(llm: LLM) -> None:
+    """What a decode node does with a request resumed on it (its node died mid-stream): the
+    prompt holds the tokens generated so far, structured_output_resume says how many; the
+    continuation equals the uninterrupted run. Without the replay the matcher would start the
+    grammar over (a new JSON object mid-object). Tokens the grammar forbids: ValueError."""
+    params = SamplingParams(
+        temperature=0, max_tokens=40, ignore_eos=False, structured_output=JSON_SPEC
+    )
+    for prompt in PROMPTS:
+        (whole,) = llm.generate([prompt], params, use_tqdm=False)
+        tokens = whole.outputs[0].token_ids
+        assert len(tokens) > 6
+        for cut in (1, 5):
+            resumed = SamplingParams(
+                temperature=0,
+                max_tokens=40 - cut,
+                structured_output=JSON_SPEC,
+                structured_output_resume=cut,
+            )
+            (rest,) = llm.generate([prompt + tokens[:cut]], resumed, use_tqdm=False)
+            assert rest.outputs[0].token_ids == tokens[cut:], (prompt, cut)
+        unresumed = SamplingParams(temperature=0, max_tokens=40 - 5, structured_output=JSON_SPEC)
+        (restart,) = llm.generate([prompt + tokens[:5]], unresumed, use_tqdm=False)
+        assert restart.outputs[0].token_ids != tokens[5:]  # the bug this field fixes
+    bad = SamplingParams(max_tokens=4, structured_output=JSON_SPEC, structured_output_resume=2)
+    with pytest.raises(ValueError, match="does not match"):
+        llm.generate([[5, 6, 7, 8]], bad, use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_output_resume"):
+        SamplingParams(structured_output_resume=1)

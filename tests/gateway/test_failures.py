@@ -277,3 +277,23 @@ def test_a_hung_decode_node_costs_its_streams_seconds_not_the_hang(
     assert elapsed < bound, elapsed
     wait_until(lambda: first.calls[0].cancelled)
     first.hung = False
+
+
+def test_a_resumed_structured_request_tells_the_new_node_what_it_generated(
+    make_cluster: StartCluster,
+) -> None:
+    """The resubmission carries the constraint and how many of its prompt tokens were generated
+    under it, so the new node's grammar matcher continues instead of starting over."""
+    cluster = make_cluster(decode_behaviour=[{"die_after_tokens": 5}, {"extra_load": 100}])
+    _client(cluster).completions.create(
+        model=MODEL_NAME,
+        prompt=[40, 41, 42],
+        max_tokens=12,
+        seed=9,
+        extra_body={"structured_outputs": {"regex": "[a-z ]+"}},
+    )
+    first, second = cluster.decode_nodes
+    died, resumed = first.calls[0].request, second.calls[0].request
+    assert died.sampling_params.structured_output.num_generated_in_prompt == 0
+    assert resumed.sampling_params.structured_output.value == "[a-z ]+"
+    assert resumed.sampling_params.structured_output.num_generated_in_prompt == 5
