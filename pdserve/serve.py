@@ -40,7 +40,14 @@ gateway."""
 """NodeConfig fields that are flags of `serve` too, passed on to every node."""
 _GATEWAY_FLAGS = ("host", "port", "grpc_port", "max_num_requests")
 """GatewayConfig fields that are flags of `serve` too, passed on to the gateway."""
-_GATEWAY_OPTIONAL_FLAGS = ("chat_template", "ssl_keyfile", "ssl_certfile", "api_key")
+_GATEWAY_OPTIONAL_FLAGS = (
+    "chat_template",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "api_key",
+    "tool_call_parser",
+    "enable_auto_tool_choice",
+)
 """GatewayConfig fields that are flags of `serve` too, passed on only when set."""
 
 

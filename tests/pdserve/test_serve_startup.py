@@ -40,7 +40,7 @@ def test_a_startup_death_restarts_the_stack(monkeypatch):
         started.append(children)
         return children
 
-    def wait_healthy(url, children, timeout_s):
+    def wait_healthy(url, children, timeout_s, tls=None):
         dead = [c.name for c in children if c.process.poll() is not None]
         if dead:
             raise serve.StartupDeath(f"{dead} exited during startup")
