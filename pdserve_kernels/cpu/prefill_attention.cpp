@@ -240,8 +240,8 @@ inline void row_chunks(int64_t m, F&& f) {
 // AMX (bf16, head_dim % 64 == 0, where the OS grants the tile state): both products on the tile
 // unit, 16 query rows at a time (M padded to a multiple of 16 with zero rows). Q [M, D] is an A
 // operand as it is; the packed K [D/2, 64, 2] and V [32, D, 2] are B operands in the pair
-// (VNNI) layout the AVX-512 bf16 path uses too. P V goes to a fresh tile and is added to the
-// rescaled accumulator by AVX-512 (tiles cannot be scaled per row).
+// (VNNI) layout the AVX-512 bf16 path uses too. The fp32 accumulator is loaded into tiles
+// for P V (rows are rescaled by AVX-512 first, when their max grew: tiles cannot scale rows).
 
 // Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM).
 bool amx_granted() {
@@ -301,20 +301,28 @@ void scores_amx(const c10::BFloat16* q, const c10::BFloat16* kp, float* s, int64
   }
 }
 
-// acc = acc * rescale + P V: P V into tmp [M, D] (tiles 0-3: four 16-column blocks of it, 4: P,
-// 5-6: V), then added row by row.
+// acc = acc * rescale + P V. The rows whose max grew are rescaled first (AVX-512; after a row's
+// first tiles its max rarely moves, and an unchanged max gives a rescale of exactly 1), then P V
+// is added on the tiles: tiles 0-3 hold four 16-column blocks of acc, 4: P, 5-6: V.
 template <int kD>
 void accumulate_amx(float* acc, const float* rescale, const c10::BFloat16* p,
-                    const c10::BFloat16* vp, float* tmp, int64_t m, int64_t rows_used,
-                    int64_t nk) {
+                    const c10::BFloat16* vp, int64_t m, int64_t rows_used, int64_t nk) {
   constexpr int kRow = 2 * kD * 2;  // bytes per V pair row
   const int key_tiles = nk > 32 ? 2 : 1;  // keys past nk have P = 0 and V = 0
+  for (int64_t r = 0; r < rows_used; ++r) {
+    if (rescale[r] == 1.f) continue;
+    const __m512 f = _mm512_set1_ps(rescale[r]);
+    for (int c = 0; c < kD / 16; ++c)
+      _mm512_storeu_ps(acc + r * kD + 16 * c,
+                       _mm512_mul_ps(_mm512_loadu_ps(acc + r * kD + 16 * c), f));
+  }
   for (int64_t r = 0; r < m; r += 16) {
     for (int c = 0; c < kD / 16; c += 4) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      float* out = acc + r * kD + 16 * c;
+      _tile_loadd(0, out, kD * 4);
+      _tile_loadd(1, out + 16, kD * 4);
+      _tile_loadd(2, out + 32, kD * 4);
+      _tile_loadd(3, out + 48, kD * 4);
       for (int t = 0; t < key_tiles; ++t) {
         const c10::BFloat16* v = vp + t * 16 * 2 * kD + 32 * c;  // keys [32t, 32t + 32)
         _tile_loadd(4, p + r * kKeyTile + 32 * t, kKeyTile * 2);
@@ -327,19 +335,10 @@ void accumulate_amx(float* acc, const float* rescale, const c10::BFloat16* p,
         _tile_dpbf16ps(2, 4, 5);
         _tile_dpbf16ps(3, 4, 6);
       }
-      float* out = tmp + r * kD + 16 * c;
       _tile_stored(0, out, kD * 4);
       _tile_stored(1, out + 16, kD * 4);
       _tile_stored(2, out + 32, kD * 4);
       _tile_stored(3, out + 48, kD * 4);
-    }
-  }
-  for (int64_t r = 0; r < rows_used; ++r) {
-    const __m512 f = _mm512_set1_ps(rescale[r]);
-    for (int c = 0; c < kD / 16; ++c) {
-      float* a = acc + r * kD + 16 * c;
-      _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), f,
-                                          _mm512_loadu_ps(tmp + r * kD + 16 * c)));
     }
   }
 }
@@ -393,7 +392,7 @@ inline void accumulate(float* acc, const float* rescale, const E* p, const E* v,
 template <typename E>
 struct Scratch {
   std::vector<E> q, p;  // Q [M, D], P [M, 64] (bf16 only)
-  std::vector<float> s, acc, tmp;  // S [M, 64], acc [M, D], AMX's P V [M, D]
+  std::vector<float> s, acc;  // S [M, 64], acc [M, D]
   // Per row (arrays padded to whole 16-row groups): the running max and sum, this tile's
   // rescale, new max and (AVX-512) sum vector [M, 16].
   std::vector<float> row_max, row_sum, rescale, new_max, sums;
@@ -403,7 +402,6 @@ struct Scratch {
     p.resize(m * kKeyTile);
     s.resize(m * kKeyTile);
     acc.resize(m * d);
-    tmp.resize(m * d);
     row_max.assign(m16, kNoScore);
     row_sum.assign(m16, 0.f);
     rescale.resize(m16);
@@ -486,6 +484,33 @@ PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
   return kv;
 }
 
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 in the masked lanes (0 elsewhere, whatever x holds there), accurate to
+// ~4e-5 relative: enough for P rounded to bf16 (2^-9), with about half exp16's instructions
+// (no clamping, a degree-4 polynomial of 2^f on [-1/2, 1/2]).
+inline __m512 exp16_for_bf16(__m512 x, __mmask16 lanes) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));  // log2(e) x
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);  // ln(2)^k / k!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_maskz_scalef_ps(lanes, p, n);
+}
+
+// Stores 16 probabilities into a P row: as they are (float), or rounded to bf16.
+inline void store_p(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
+inline void store_p(c10::BFloat16* dst, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  for (int i = 0; i < 16; ++i) dst[i] = static_cast<c10::BFloat16>(reinterpret_cast<float*>(&v)[i]);
+#endif
+}
+#endif
+
 // Half-open range [lo, hi) of a tile's keys (tile-relative) the query at position pos sees.
 inline std::pair<int64_t, int64_t> visible_in_tile(int64_t pos, int64_t start, int64_t nk,
                                                    int64_t window) {
@@ -493,7 +518,7 @@ inline std::pair<int64_t, int64_t> visible_in_tile(int64_t pos, int64_t start, i
           std::min<int64_t>(nk, pos + 1 - start)};
 }
 
-// Online softmax of one tile's scores s (in place: s becomes P; bf16 also rounds P into p).
+// Online softmax of one tile's scores s into P (p: s itself for float, bf16 rows otherwise).
 // Row r = g * rows + i is query row i (at position p0 + i) of group head g and sees the tile's
 // keys visible_in_tile(p0 + i); its P row is exp(s - max) there and 0 elsewhere. Updates the
 // rows' running max and sum, and sets rescale[r], the factor the row's accumulator takes
@@ -519,7 +544,7 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
       __m512 sum = _mm512_setzero_ps();
       if (lo >= hi) {
         new_max[r] = row_max[r];
-        for (int c = 0; c < 4; ++c) _mm512_storeu_ps(sr + 16 * c, sum);
+        for (int c = 0; c < 4; ++c) store_p(p + r * kKeyTile + 16 * c, sum);
       } else {
         const uint64_t visible = (hi - lo == 64 ? ~0ull : ((1ull << (hi - lo)) - 1)) << lo;
         __m512 x[4];
@@ -530,9 +555,11 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
         }
         const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(top));
         for (int c = 0; c < 4; ++c) {
-          const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>(visible >> (16 * c)),
-                                               exp16(_mm512_sub_ps(x[c], mx)));
-          _mm512_storeu_ps(sr + 16 * c, e);
+          const __mmask16 lanes = static_cast<__mmask16>(visible >> (16 * c));
+          const __m512 e = std::is_same_v<E, float>
+                               ? _mm512_maskz_mov_ps(lanes, exp16(_mm512_sub_ps(x[c], mx)))
+                               : exp16_for_bf16(_mm512_sub_ps(x[c], mx), lanes);
+          store_p(p + r * kKeyTile + 16 * c, e);
           sum = _mm512_add_ps(sum, e);
         }
         new_max[r] = _mm512_cvtss_f32(mx);
@@ -572,18 +599,9 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
     row_sum[r] = row_sum[r] * rescale[r] + sum;
     row_max[r] = mx;
   }
+  if constexpr (!std::is_same_v<E, float>)
+    for (int64_t j = 0; j < m * kKeyTile; ++j) p[j] = static_cast<E>(s[j]);
 #endif
-  if constexpr (!std::is_same_v<E, float>) {
-    for (int64_t r = 0; r < m; ++r) {
-#if defined(__AVX512BF16__)
-      for (int64_t j = 0; j < kKeyTile; j += 16)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + r * kKeyTile + j),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + r * kKeyTile + j)));
-#else
-      for (int64_t j = 0; j < kKeyTile; ++j) p[r * kKeyTile + j] = static_cast<E>(s[r * kKeyTile + j]);
-#endif
-    }
-  }
 }
 
 template <typename T, typename E, int kD, bool kAmx>
@@ -624,8 +642,7 @@ void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E
     softmax_tile(w.s.data(), p, w, group, rows, p0, start, nk, b.window, score_scale);
 #if defined(PDSERVE_AMX)
     if constexpr (kAmx)
-      accumulate_amx<kD>(w.acc.data(), w.rescale.data(), p, v, w.tmp.data(), m_tiles,
-                         m, nk);
+      accumulate_amx<kD>(w.acc.data(), w.rescale.data(), p, v, m_tiles, m, nk);
 #endif
     if constexpr (!kAmx) accumulate<E, kD>(w.acc.data(), w.rescale.data(), p, v, m, d, nk);
   }
