@@ -113,6 +113,9 @@ def clean_up_tokenization(text: str) -> str:
     return text
 
 
+_GIL_FREE_CHARS = 16_384
+"""Texts longer than this are encoded through encode_batch, which runs without the GIL."""
+
 class Tokenizer:
     """Text <-> token ids for one model directory, plus its chat template."""
 
@@ -182,6 +185,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; add_special_tokens adds bos/eos as the tokenizer is configured
         (pass False for text rendered by a chat template that already holds them)."""
+        if len(text) > _GIL_FREE_CHARS:
+            # tokenizers' encode() holds the GIL throughout (a 3 MB prompt: ~8 s with every
+            # other thread stopped, the gateway's event loop included); encode_batch releases it
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

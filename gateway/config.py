@@ -72,6 +72,16 @@ class GatewayConfig(InternalTLSConfig):
     are closed."""
     max_connections: int = 4096
     """Open REST connections at most; more are answered 503 at once."""
+    max_request_body_bytes: int = 4 << 20
+    """Largest REST request body (and public gRPC message) accepted; larger is 413 /
+    RESOURCE_EXHAUSTED before anything is parsed."""
+    allowed_origins: tuple[str, ...] = ()
+    """CORS: origins browsers may call the REST API from ("*" for any); empty: no CORS
+    headers (browsers on other origins are refused)."""
+    allow_credentials: bool = False
+    """CORS: let browsers send credentials (cookies, Authorization) cross-origin."""
+    root_path: str = ""
+    """The path prefix a reverse proxy serves the gateway under (ASGI root_path)."""
     stall_timeout_s: float = 5.0
     """A stream whose decode node stops producing tokens moves to another decode node with
     its tokens so far after this long without one (or 20 of its recent inter-token gaps, if
@@ -115,6 +125,10 @@ class GatewayConfig(InternalTLSConfig):
             raise ValueError(f"unknown log level {self.log_level!r}")
         if bool(self.ssl_keyfile) != bool(self.ssl_certfile):
             raise ValueError("--ssl-keyfile and --ssl-certfile go together")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(
+                f"max_request_body_bytes must be >= 1024, got {self.max_request_body_bytes}"
+            )
         if self.stall_timeout_s <= 0:
             raise ValueError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.header_timeout_s <= 0:

@@ -119,7 +119,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         ticket: Ticket | None = None
         try:
             ticket = self._ctx.admission.admit()
-            generation = trace.prepare(lambda: prepare_generate(self._ctx, request))
+            generation = await asyncio.to_thread(
+                trace.prepare, lambda: prepare_generate(self._ctx, request)
+            )
             if request.request_id and trace.span.is_recording():
                 trace.span.set_attribute("pdserve.client_request_id", request.request_id)
             reply_id = request.request_id or generation.request_id
@@ -188,7 +190,10 @@ class GrpcFront:
         interceptors: list[grpc.aio.ServerInterceptor] = [MalformedRequestInterceptor()]
         if ctx.config.api_key:  # outermost: no parsing for a caller without the key
             interceptors.insert(0, _ApiKeyInterceptor(ctx.config.api_key))
-        self._server = grpc.aio.server(interceptors=interceptors)
+        limit = ctx.config.max_request_body_bytes
+        self._server = grpc.aio.server(
+            interceptors=interceptors, options=[("grpc.max_receive_message_length", limit)]
+        )
         self._health = health.aio.HealthServicer()
         self._health_task: asyncio.Task[None] | None = None
         gateway_pb2_grpc.add_GatewayServicer_to_server(GatewayServicer(ctx), self._server)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -59,6 +60,9 @@ CONFIG_FLAGS = (
     "header_timeout_s",
     "max_connections",
     "stall_timeout_s",
+    "max_request_body_bytes",
+    "root_path",
+    "allow_credentials",
     "ssl_keyfile",
     "ssl_certfile",
     "api_key",
@@ -101,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="prefill nodes, as --decode-nodes (empty: decode nodes prefill locally)",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=[],
+        help="CORS: origins browsers may call the REST API from, as JSON (vLLM's form), e.g. "
+        "'[\"https://app.example.com\"]' or '[\"*\"]' (default: none, no CORS headers)",
+    )
     add_gateway_config_flags(parser)
     # SUPPRESS: under `pdserve gateway` the top-level --log-level must not be overwritten by
     # this sub-command's default.
@@ -115,6 +126,16 @@ def _log_level(args: argparse.Namespace) -> str:
     return getattr(args, "log_level", GatewayConfig.log_level)
 
 
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError('expected a JSON list of strings, e.g. ["*"]')
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     plain = {name: getattr(args, name) for name in CONFIG_FLAGS}
     return GatewayConfig(
@@ -126,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         **plain
         | {
             "grpc_port": args.grpc_port or None,
+            "allowed_origins": tuple(args.allowed_origins),
             "api_key": args.api_key
             or os.environ.get("PDSERVE_API_KEY")
             or os.environ.get("VLLM_API_KEY"),
@@ -170,6 +192,7 @@ class RestServer:
             lifespan="off",
             timeout_graceful_shutdown=_SERVER_STOP_GRACE_S,
             timeout_keep_alive=config.keep_alive_timeout_s,
+            root_path=config.root_path,
             http=deadline_protocol(config.header_timeout_s),
             limit_concurrency=config.max_connections,
             ssl_keyfile=config.ssl_keyfile,

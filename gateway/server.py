@@ -14,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from pdserve.common import metrics, tracing
 from pdserve.gateway.admission import Ticket
 from pdserve.gateway.auth import ApiKeyMiddleware
+from pdserve.gateway.body_limit import BodyLimitMiddleware
 from pdserve.gateway.chat import chat_response, chat_stream, prepare_chat
 from pdserve.gateway.completions import completion_response, completion_stream, prepare_completion
 from pdserve.gateway.context import GatewayContext
@@ -167,7 +169,7 @@ class RestFront:
         return ModelList(data=[card])
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
-        trace, ticket, request = self._begin(raw, lambda: prepare_completion(self.ctx, body))
+        trace, ticket, request = await self._begin(raw, lambda: prepare_completion(self.ctx, body))
         deltas = self.ctx.generator.generate(request)
         if body.stream:
             events = completion_stream(self.ctx, body, request, deltas)
@@ -176,25 +178,27 @@ class RestFront:
         return await self._respond(raw, request, work, deltas, ticket, trace)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        trace, ticket, request = self._begin(raw, lambda: prepare_chat(self.ctx, body))
+        trace, ticket, request = await self._begin(raw, lambda: prepare_chat(self.ctx, body))
         deltas = self.ctx.generator.generate(request)
         if body.stream:
             return self._stream(chat_stream(self.ctx, body, request, deltas), deltas, ticket, trace)
         work = chat_response(self.ctx, body, request, deltas)
         return await self._respond(raw, request, work, deltas, ticket, trace)
 
-    def _begin(
+    async def _begin(
         self, raw: Request, prepare: Callable[[], GenerationRequest]
     ) -> tuple[RequestTrace, Ticket, GenerationRequest]:
-        """Open the request's trace, admit and prepare it. On failure (an ApiError: full,
-        bad input) nothing stays open."""
+        """Open the request's trace, admit and prepare it: the chat template and tokenization
+        run on a worker thread, so a huge prompt never holds the event loop (every other
+        request's tokens stream meanwhile). On failure (an ApiError: full, bad input) nothing
+        stays open."""
         path = raw.url.path
         attributes = {"http.request.method": "POST", "http.route": path}
         trace = RequestTrace(f"POST {path}", tracing.extract(raw.headers), attributes)
         ticket: Ticket | None = None
         try:
             ticket = self.ctx.admission.admit()
-            return trace, ticket, trace.prepare(prepare)
+            return trace, ticket, await asyncio.to_thread(trace.prepare, prepare)
         except BaseException as exc:
             if ticket is not None:
                 ticket.release()
@@ -292,6 +296,17 @@ def build_app(ctx: GatewayContext) -> FastAPI:
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])
-    if ctx.config.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.config.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=ctx.config.max_request_body_bytes)
+    if ctx.config.allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(ctx.config.allowed_origins),
+            allow_credentials=ctx.config.allow_credentials,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    if ctx.config.api_key:  # outermost: nothing is read for a caller without the key
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=ctx.config.api_key, root_path=ctx.config.root_path
+        )
     return app
