@@ -205,6 +205,17 @@ class NodeService:
         for request_id in self.in_flight():
             self.abort(request_id)
 
+    async def Embed(
+        self, request: node_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> node_pb2.EmbedResponse:
+        """Pooled embeddings, computed on the engine thread between steps (engine.embed);
+        a bad input is INVALID_ARGUMENT."""
+        self.check_accepting()
+        inputs = [list(sequence.token_ids) for sequence in request.inputs]
+        pooling, normalize = request.pooling or "last", request.normalize
+        vectors = await self.loop.call(lambda engine: engine.embed(inputs, pooling, normalize))
+        return node_pb2.EmbedResponse(embeddings=[node_pb2.Embedding(values=v) for v in vectors])
+
     async def GetLoad(
         self, request: node_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
     ) -> node_pb2.NodeLoad:

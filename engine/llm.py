@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
 from pdserve.engine.request import (
     CompletionOutput,
     Request,
@@ -90,6 +91,21 @@ class LLM:
             self._output(prompt, group) for prompt, group in zip(prompt_list, groups, strict=True)
         ]
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str = "last",
+        normalize: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (strings or token-id lists): the final hidden states
+        pooled ("last", "mean" or "cls") and, by default, L2-normalized (engine/pooling.py)."""
+        token_lists = [self._tokenize(p) for p in self._as_prompt_list(prompts)]
+        vectors = self.engine.embed(token_lists, pooling, normalize)
+        return [
+            EmbeddingRequestOutput(tokens, EmbeddingOutput(vector))
+            for tokens, vector in zip(token_lists, vectors, strict=True)
+        ]
+
     # -- internals --------------------------------------------------------------------------------
 
     @staticmethod
@@ -118,7 +134,9 @@ class LLM:
             return self.engine.tokenizer.encode(prompt)
         return [int(t) for t in prompt]
 
-    def _add(self, tokens: list[int], params: SamplingParams, priority: int) -> list[_OfflineRequest]:
+    def _add(
+        self, tokens: list[int], params: SamplingParams, priority: int
+    ) -> list[_OfflineRequest]:
         """Queue params.n child requests (seeded ones get seed, seed + 1, ...)."""
         tracked = []
         for index in range(params.n):

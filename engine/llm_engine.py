@@ -13,6 +13,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,10 +27,12 @@ from pdserve.engine.outputs import (
     EngineLoad,
     RequestUpdate,
     SampledTokens,
+    ScheduledChunk,
     SchedulerOutput,
     StepOutput,
 )
 from pdserve.engine.platform import tune_allocator
+from pdserve.engine.pooling import POOLING_TYPES, pool
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.sampler import SampleRow
 from pdserve.engine.scheduler import Scheduler
@@ -296,6 +299,63 @@ class LLMEngine:
         )
         self.scheduler.add_request(request)
         return request
+
+    def embed(
+        self, prompts: Sequence[Sequence[int]], pooling: str = "last", normalize: bool = True
+    ) -> list[list[float]]:
+        """One pooled embedding per prompt (engine/pooling.py), computed between steps in
+        forwards of at most max_num_batched_tokens tokens (or one prompt), over KV blocks taken
+        from the free pool and given back at once: nothing is cached, no running request is
+        disturbed. Raises ValueError for a bad prompt or pooling, before computing anything."""
+        self._check_thread()
+        if pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {pooling!r}")
+        if not prompts:
+            raise ValueError("no input to embed")
+        bs = self.cache_config.block_size
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"input {i} is empty")
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"input {i}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
+                )
+            if len(prompt) > self.max_model_len:
+                raise ValueError(
+                    f"input {i} has {len(prompt)} tokens, more than max_model_len "
+                    f"{self.max_model_len}"
+                )
+        pool_ = self.scheduler.kv.pool
+        budget = self.scheduler_config.max_num_batched_tokens
+        out: list[list[float]] = []
+        group: list[Sequence[int]] = []
+        for prompt in [*prompts, None]:
+            blocks = sum(cdiv(len(p), bs) for p in group)
+            if prompt is not None and group:
+                tokens = sum(len(p) for p in group) + len(prompt)
+                fits = tokens <= budget and blocks + cdiv(len(prompt), bs) <= pool_.num_free_blocks
+                if fits:
+                    group.append(prompt)
+                    continue
+            if group:
+                if blocks > pool_.num_free_blocks:
+                    raise ValueError(
+                        f"embedding needs {blocks} free KV blocks, {pool_.num_free_blocks} are free"
+                    )
+                taken = [pool_.get_new_blocks(cdiv(len(p), bs)) for p in group]
+                try:
+                    chunks = [
+                        ScheduledChunk(f"embed-{j}", list(p), 0, [b.block_id for b in t], 0, False)
+                        for j, (p, t) in enumerate(zip(group, taken, strict=True))
+                    ]
+                    hidden = self.runner.hidden_states(chunks)
+                finally:
+                    for t in taken:
+                        pool_.free_blocks(reversed(t))
+                out += [pool(h, pooling, normalize).tolist() for h in hidden]
+            group = [prompt] if prompt is not None else []
+        return out
 
     def abort_request(self, request_id: str) -> None:
         self._check_thread()

@@ -97,6 +97,23 @@ class PagedModel:
             return hidden.new_zeros((0, self.arch.vocab_size), dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(index, dtype=torch.long)])
 
+    @torch.inference_mode()
+    def hidden_states(self, chunks: Sequence[ScheduledChunk]) -> list[torch.Tensor]:
+        """The final hidden states [len(chunk.token_ids), hidden] of each chunk (prefills
+        from position 0, writing their K/V into blocks the caller owns), in chunk order."""
+        order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
+        input_ids, positions, meta = self._prepare_inputs([chunks[i] for i in order])
+        start = time.perf_counter()
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self.forward_time_s += time.perf_counter() - start
+        out: list[torch.Tensor] = [hidden] * len(chunks)
+        offset = 0
+        for i in order:  # decodes (1-token prompts) first, as _prepare_inputs lays them out
+            n = len(chunks[i].token_ids)
+            out[i] = hidden[offset : offset + n]
+            offset += n
+        return out
+
     def _prepare_inputs(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

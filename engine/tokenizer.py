@@ -116,6 +116,7 @@ def clean_up_tokenization(text: str) -> str:
 _GIL_FREE_CHARS = 16_384
 """Texts longer than this are encoded through encode_batch, which runs without the GIL."""
 
+
 class Tokenizer:
     """Text <-> token ids for one model directory, plus its chat template."""
 

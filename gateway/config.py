@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 from pdserve.common.tls import InternalTLSConfig
 from pdserve.gateway.discovery import NodeEntry
@@ -82,6 +83,9 @@ class GatewayConfig(InternalTLSConfig):
     """CORS: let browsers send credentials (cookies, Authorization) cross-origin."""
     root_path: str = ""
     """The path prefix a reverse proxy serves the gateway under (ASGI root_path)."""
+    pooling: Literal["last", "mean", "cls"] = "last"
+    """How /v1/embeddings pools a prompt's final hidden states: the last token's (decoder
+    models), the mean over tokens, or the first token's."""
     stall_timeout_s: float = 5.0
     """A stream whose decode node stops producing tokens moves to another decode node with
     its tokens so far after this long without one (or 20 of its recent inter-token gaps, if

@@ -60,6 +60,7 @@ CONFIG_FLAGS = (
     "header_timeout_s",
     "max_connections",
     "stall_timeout_s",
+    "pooling",
     "max_request_body_bytes",
     "root_path",
     "allow_credentials",

@@ -28,6 +28,7 @@ from pdserve.gateway.chat import chat_response, chat_stream, prepare_chat
 from pdserve.gateway.completions import completion_response, completion_stream, prepare_completion
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.dashboard import add_dashboard_routes
+from pdserve.gateway.embeddings import add_embedding_routes
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.generation import GenerationRequest
 from pdserve.gateway.openai_api import (
@@ -293,6 +294,7 @@ def build_app(ctx: GatewayContext) -> FastAPI:
     app.add_api_route("/metrics/targets", scrape_targets, methods=["GET"])
     add_dashboard_routes(app, ctx)
     add_vllm_routes(app, ctx)
+    add_embedding_routes(app, ctx)
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])

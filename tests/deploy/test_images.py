@@ -124,7 +124,9 @@ def test_the_build_context_holds_what_the_image_installs() -> None:
     assert patterns[0] == "*"  # an allowlist: nothing else (.venv, build/, models/) gets in
     kept = {line.removeprefix("!").rstrip("/") for line in patterns if line.startswith("!")}
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    folders = {folder.split("/")[0] for folder in project["tool"]["setuptools"]["package-dir"].values()}
+    folders = {
+        folder.split("/")[0] for folder in project["tool"]["setuptools"]["package-dir"].values()
+    }
     assert folders <= kept
     assert {"pyproject.toml", "README.md", "proto", "deploy/docker/healthcheck.py"} <= kept
     assert "deploy/docker/prewarm_triton.py" in kept

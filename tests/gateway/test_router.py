@@ -199,3 +199,21 @@ def test_a_burst_of_streams_spreads_over_two_decode_nodes(registry: NodeRegistry
     for _ in range(12):
         router.pick_decode().num_inflight += 1
     assert d0.num_inflight == d1.num_inflight == 6
+
+
+def test_embeddings_go_to_prefill_nodes_least_loaded_first_else_decode(
+    registry: NodeRegistry,
+) -> None:
+    from types import SimpleNamespace
+
+    from pdserve.gateway.embeddings import _candidates
+
+    for node in registry.nodes:
+        set_load(node)
+    p0, p1 = registry.prefill_nodes
+    p0.pending_prefill_tokens = 500
+    ctx = SimpleNamespace(registry=registry)
+    assert [n.address for n in _candidates(ctx)] == ["p1:1", "p0:1"]  # type: ignore[arg-type]
+    p0.healthy = p1.healthy = False  # no prefill tier: an aggregated deployment's decode nodes
+    registry.decode_nodes[0].num_inflight = 3
+    assert [n.address for n in _candidates(ctx)] == ["d1:1", "d2:1", "d0:1"]  # type: ignore[arg-type]

@@ -146,3 +146,25 @@ class NodeLoad(_message.Message):
     num_preemptions: int
     metrics_address: str
     def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepting: _Optional[bool] = ..., generation_tokens_per_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+
+class EmbedRequest(_message.Message):
+    __slots__ = ("inputs", "pooling", "normalize")
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenSequence]
+    pooling: str
+    normalize: bool
+    def __init__(self, inputs: _Optional[_Iterable[_Union[_common_pb2.TokenSequence, _Mapping]]] = ..., pooling: _Optional[str] = ..., normalize: _Optional[bool] = ...) -> None: ...
+
+class Embedding(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings",)
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ...) -> None: ...

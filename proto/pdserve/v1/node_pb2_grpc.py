@@ -50,6 +50,11 @@ class DecodeNodeStub:
                 request_serializer=pdserve_dot_v1_dot_node__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_node__pb2.NodeLoad.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.DecodeNode/Embed',
+                request_serializer=pdserve_dot_v1_dot_node__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_node__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeNodeServicer:
@@ -78,6 +83,13 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Pooled embeddings of prompts (an aggregated deployment's decode nodes serve them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_node__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_node__pb2.NodeLoad.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_node__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_node__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -189,6 +206,33 @@ class DecodeNode:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeNode/Embed',
+            pdserve_dot_v1_dot_node__pb2.EmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_node__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillNodeStub:
     """A prefill node: computes a prompt's KV and pushes it into blocks a decode node reserved.
@@ -214,6 +258,11 @@ class PrefillNodeStub:
                 '/pdserve.v1.PrefillNode/GetLoad',
                 request_serializer=pdserve_dot_v1_dot_node__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_node__pb2.NodeLoad.FromString,
+                _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PrefillNode/Embed',
+                request_serializer=pdserve_dot_v1_dot_node__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_node__pb2.EmbedResponse.FromString,
                 _registered_method=True)
 
 
@@ -242,6 +291,13 @@ class PrefillNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Pooled embeddings of prompts: compute-bound work, no decode, so prefill nodes do it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +315,11 @@ def add_PrefillNodeServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=pdserve_dot_v1_dot_node__pb2.GetLoadRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_node__pb2.NodeLoad.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pdserve_dot_v1_dot_node__pb2.EmbedRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_node__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +404,33 @@ class PrefillNode:
             '/pdserve.v1.PrefillNode/GetLoad',
             pdserve_dot_v1_dot_node__pb2.GetLoadRequest.SerializeToString,
             pdserve_dot_v1_dot_node__pb2.NodeLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillNode/Embed',
+            pdserve_dot_v1_dot_node__pb2.EmbedRequest.SerializeToString,
+            pdserve_dot_v1_dot_node__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
