@@ -245,3 +245,20 @@ def test_a_gguf_without_a_tokenizer_asks_for_one(tmp_path: Path) -> None:
     (tmp_path / gguf_source.SOURCE_FILE).write_text('{"gguf": "/x/m.gguf", "tokenizer": false}')
     with pytest.raises(ValueError, match="m.gguf: the GGUF file has no tokenizer metadata"):
         Tokenizer.from_pretrained(str(tmp_path))
+
+
+def test_embeddings_equal_transformers_gguf_hidden_states(llm: LLM, hf_model, hf_tokenizer) -> None:
+    """/v1/embeddings' engine path on the real checkpoint: mean- and last-pooled final hidden
+    states equal transformers' own GGUF load (fp32), normalized."""
+    texts = ["The capital of France is Paris.", "def fibonacci(n):\n    return n"]
+    ids = [hf_tokenizer(t)["input_ids"] for t in texts]
+    for pooling in ("last", "mean"):
+        outs = llm.embed(ids, pooling=pooling)
+        for tokens, out in zip(ids, outs, strict=True):
+            with torch.no_grad():
+                states = hf_model.model(torch.tensor([tokens])).last_hidden_state[0].float()
+            want = states[-1] if pooling == "last" else states.mean(0)
+            want = torch.nn.functional.normalize(want, dim=0)
+            torch.testing.assert_close(
+                torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4
+            )
