@@ -24,6 +24,8 @@ class GatewayConfig(InternalTLSConfig):
     served_model_name: str
     """Model id clients must name (default: --model as given)."""
     decode_nodes: tuple[str, ...]
+    served_model_aliases: tuple[str, ...] = ()
+    """More model ids clients may name (vLLM's --served-model-name NAME NAME...)."""
     """Decode node entries: host:port, a DNS name standing for every address it resolves to
     (also written dns:///name:port); at least one."""
     prefill_nodes: tuple[str, ...] = ()

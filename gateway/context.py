@@ -40,8 +40,13 @@ class GatewayContext:
         """What /health and the gRPC health service report."""
         return self.registry.is_ready() and not self.admission.draining
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every id clients may name: --served-model-name's, the first one first."""
+        return (self.config.served_model_name, *self.config.served_model_aliases)
+
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model not in self.model_names:
             raise ApiError.model_not_found(model)
 
     def check_decode_available(self) -> int:

@@ -153,7 +153,7 @@ class EmbeddingRoutes:
         ]
         tokens = sum(len(ids) for ids in lists)
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
-        return EmbeddingResponse(data=data, model=ctx.model_name, usage=usage)
+        return EmbeddingResponse(data=data, model=body.model, usage=usage)
 
 
 def _encode(vector: list[float], encoding_format: str) -> list[float] | str:

@@ -140,10 +140,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
-        model = gateway_pb2.ModelInfo(
-            id=self._ctx.model_name, max_model_len=self._ctx.max_model_len() or 0
-        )
-        return gateway_pb2.ListModelsResponse(models=[model])
+        max_model_len = self._ctx.max_model_len() or 0
+        models = [
+            gateway_pb2.ModelInfo(id=name, max_model_len=max_model_len)
+            for name in self._ctx.model_names
+        ]
+        return gateway_pb2.ListModelsResponse(models=models)
 
 
 class _ApiKeyInterceptor(grpc.aio.ServerInterceptor):

@@ -92,8 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help=docs["model"])
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="Model id clients must name; None: --model as given.",
+        help="Model ids clients may name (the first is the one /v1/models lists first and "
+        "responses to unnamed requests carry); None: --model as given.",
     )
     parser.add_argument(
         "--decode-nodes",
@@ -141,7 +143,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     plain = {name: getattr(args, name) for name in CONFIG_FLAGS}
     return GatewayConfig(
         model=args.model,
-        served_model_name=args.served_model_name or args.model,
+        served_model_name=(args.served_model_name or [args.model])[0],
+        served_model_aliases=tuple((args.served_model_name or [])[1:]),
         decode_nodes=parse_address_list(args.decode_nodes),
         prefill_nodes=parse_address_list(args.prefill_nodes),
         log_level=_log_level(args),

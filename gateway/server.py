@@ -161,13 +161,14 @@ class RestFront:
 
     async def models(self) -> ModelList:
         ctx = self.ctx
-        card = ModelCard(
-            id=ctx.model_name,
-            created=int(time.time()),
-            root=ctx.config.model,
-            max_model_len=ctx.max_model_len(),
-        )
-        return ModelList(data=[card])
+        created = int(time.time())
+        cards = [
+            ModelCard(
+                id=name, created=created, root=ctx.config.model, max_model_len=ctx.max_model_len()
+            )
+            for name in ctx.model_names
+        ]
+        return ModelList(data=cards)
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         trace, ticket, request = await self._begin(raw, lambda: prepare_completion(self.ctx, body))

@@ -87,3 +87,20 @@ def test_a_huge_prompt_does_not_hold_the_event_loop(make_cluster) -> None:
     took = time.monotonic() - start
     assert took > 1.0, "the prompt was not big enough to show anything"
     assert slowest < 0.5 * took, (slowest, took, probes)
+
+
+def test_served_model_name_aliases(make_cluster) -> None:
+    import openai
+
+    cluster = make_cluster(served_model_aliases=("alias-a", "alias-b"))
+    client = openai.OpenAI(base_url=f"{cluster.base_url}/v1", api_key="x", max_retries=0)
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME, "alias-a", "alias-b"]
+    for name in (MODEL_NAME, "alias-b"):
+        out = client.completions.create(model=name, prompt="hi", max_tokens=2)
+        assert out.model == name
+    try:
+        client.completions.create(model="other", prompt="hi", max_tokens=2)
+    except openai.NotFoundError:
+        pass
+    else:
+        raise AssertionError("an unknown model name was accepted")
