@@ -85,6 +85,11 @@ class GatewayConfig(InternalTLSConfig):
     """CORS: let browsers send credentials (cookies, Authorization) cross-origin."""
     root_path: str = ""
     """The path prefix a reverse proxy serves the gateway under (ASGI root_path)."""
+    enable_log_requests: bool = False
+    """Log every request (id, prompt as token ids, sampling parameters) at INFO, as vLLM's
+    --enable-log-requests; off by default (prompts may be private)."""
+    max_log_len: int | None = None
+    """With --enable-log-requests: log at most this many prompt token ids (None: all)."""
     pooling: Literal["last", "mean", "cls"] = "last"
     """How /v1/embeddings pools a prompt's final hidden states: the last token's (decoder
     models), the mean over tokens, or the first token's."""

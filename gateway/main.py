@@ -61,6 +61,8 @@ CONFIG_FLAGS = (
     "max_connections",
     "stall_timeout_s",
     "pooling",
+    "enable_log_requests",
+    "max_log_len",
     "max_request_body_bytes",
     "root_path",
     "allow_credentials",

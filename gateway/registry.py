@@ -172,7 +172,9 @@ class NodeRegistry:
         if healthy and not node.healthy:
             logger.info("%s node %s is healthy", node.role, node.address)
         elif not healthy and (node.healthy or reason != node.last_error):
-            logger.warning("%s node %s is unhealthy: %s", node.role, node.address, reason)
+            # a node that never answered yet is starting (or absent): not news worth a warning
+            log = logger.warning if node.load is not None else logger.info
+            log("%s node %s is unhealthy: %s", node.role, node.address, reason)
         node.healthy = healthy
         node.last_error = reason
 

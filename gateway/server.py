@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from google.protobuf import text_format
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
@@ -200,7 +201,10 @@ class RestFront:
         ticket: Ticket | None = None
         try:
             ticket = self.ctx.admission.admit()
-            return trace, ticket, await asyncio.to_thread(trace.prepare, prepare)
+            request = await asyncio.to_thread(trace.prepare, prepare)
+            if self.ctx.config.enable_log_requests:
+                log_request(request, self.ctx.config.max_log_len)
+            return trace, ticket, request
         except BaseException as exc:
             if ticket is not None:
                 ticket.release()
@@ -248,6 +252,23 @@ class RestFront:
             finally:
                 ticket.release()
                 trace.end()
+
+
+def log_request(request: GenerationRequest, max_log_len: int | None) -> None:
+    """--enable-log-requests: one INFO line per request, its prompt cut to max_log_len ids."""
+    prompt = request.prompt_token_ids
+    shown = prompt if max_log_len is None else prompt[:max_log_len]
+    more = f" (+{len(prompt) - len(shown)} more)" if len(shown) < len(prompt) else ""
+    params = text_format.MessageToString(request.params, as_one_line=True)
+    logger.info(
+        "request %s: n=%d, %d prompt tokens %s%s, params: %s",
+        request.request_id,
+        request.n,
+        len(prompt),
+        shown,
+        more,
+        params,
+    )
 
 
 def node_scrape_targets(ctx: GatewayContext) -> list[dict[str, Any]]:

@@ -104,3 +104,17 @@ def test_served_model_name_aliases(make_cluster) -> None:
         pass
     else:
         raise AssertionError("an unknown model name was accepted")
+
+
+def test_request_logging_is_off_by_default_and_cut_to_max_log_len(make_cluster, caplog) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="pdserve.gateway.server")
+    body = {"model": MODEL_NAME, "prompt": list(range(10, 60)), "max_tokens": 2}
+    quiet = make_cluster()
+    httpx.post(f"{quiet.base_url}/v1/completions", json=body, timeout=10)
+    assert not [r for r in caplog.records if "prompt tokens" in r.getMessage()]
+    loud = make_cluster(enable_log_requests=True, max_log_len=5)
+    httpx.post(f"{loud.base_url}/v1/completions", json=body, timeout=10)
+    (line,) = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
+    assert "50 prompt tokens [10, 11, 12, 13, 14] (+45 more)" in line and "max_tokens: 2" in line
