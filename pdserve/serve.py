@@ -177,11 +177,22 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
     return argv + args.gateway_arg
 
 
+def child_env() -> dict[str, str]:
+    """The children's environment: OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+    serve's processes share the machine's cores, and an OpenMP thread that spins while
+    waiting for work (libgomp's default) takes a core from the process that has work: with two
+    nodes on two cores, a spinning idle node made the busy one up to ~10x slower
+    (benchmarks/results/prefill_long_prompts_spinwait_*.json)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return env
+
+
 def _spawn(name: str, argv: list[str], core: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pdserve.cli", *argv]
     logger.info("starting %s: %s", name, " ".join(cmd[2:]))
     setup = _pin(core) if core is not None else _die_with_parent
-    return subprocess.Popen(cmd, preexec_fn=setup)
+    return subprocess.Popen(cmd, preexec_fn=setup, env=child_env())
 
 
 def start_stack(args: argparse.Namespace) -> list[Child]:

