@@ -47,7 +47,6 @@ _GATEWAY_OPTIONAL_FLAGS = (
     "api_key",
     "tool_call_parser",
     "enable_auto_tool_choice",
-    "pooling",
 )
 """GatewayConfig fields that are flags of `serve` too, passed on only when set."""
 
