@@ -36,6 +36,7 @@ _OPTIONAL_FIELDS = (
     "max_tokens",
     "logprobs",
     "skip_special_tokens",
+    "prompt_logprobs",
 )
 
 

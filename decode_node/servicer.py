@@ -144,6 +144,10 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
             token_ids=update.new_token_ids,
             logprobs=[logprob_to_proto(lp) for lp in update.new_logprobs if lp is not None],
         )
+        if update.prompt_logprobs is not None:
+            chunk.prompt_logprobs.extend(
+                logprob_to_proto(lp) for lp in update.prompt_logprobs if lp is not None
+            )
         if first:
             chunk.num_prompt_tokens = len(tracked.prompt_token_ids)
             chunk.num_cached_tokens = update.num_cached_tokens

@@ -191,6 +191,7 @@ class LLM:
             outputs=[t.completion() for t in group],
             finished=True,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=first.prompt_logprobs,
         )
 
 

@@ -21,7 +21,7 @@ import torch
 
 from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from pdserve.engine.kv_cache.manager import KVCacheManager
-from pdserve.engine.model_runner import ModelRunner, kv_block_bytes
+from pdserve.engine.model_runner import ModelRunner, PromptLogprobsTask, kv_block_bytes
 from pdserve.engine.models.loader import ModelArch, load_model
 from pdserve.engine.outputs import (
     EngineLoad,
@@ -293,7 +293,8 @@ class LLMEngine:
             priority=priority,
             cache_salt=cache_salt,
             seed=seed,
-            wants_remote_prefill=wants_remote_prefill,
+            # prompt logprobs score every prompt position, so the prompt is computed here
+            wants_remote_prefill=wants_remote_prefill and params.prompt_logprobs is None,
             prefill_only=prefill_only,
             grammar=grammar,
         )
@@ -423,7 +424,12 @@ class LLMEngine:
         )
         execute_start = time.perf_counter()
         draft_probs = spec.draft_probs if spec is not None else None
-        sampled = self.runner.execute(output, rows, draft_probs)
+        result = self.runner.execute(output, rows, draft_probs, self._prompt_logprobs_tasks(output))
+        sampled = result.sampled
+        for request_id, entries in result.prompt_logprobs.items():
+            scored = requests[request_id].prompt_logprobs
+            assert scored is not None
+            scored.extend(entries)
         self.stats.execute_time_s += time.perf_counter() - execute_start
         if self.kv_connector is not None:
             self.kv_connector.after_execute(output)
@@ -434,6 +440,27 @@ class LLMEngine:
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
         self.stats.step_time_s += time.perf_counter() - start
         return StepOutput(updates, output.remote_prefills)
+
+    def _prompt_logprobs_tasks(self, output: SchedulerOutput) -> dict[str, PromptLogprobsTask]:
+        """The prompt positions of this step whose next prompt token is still to be scored
+        (the logits at position p score prompt token p + 1; a recomputation after preemption
+        scores nothing twice)."""
+        tasks = {}
+        requests = self.scheduler.requests
+        for chunk in output.chunks:
+            request = requests[chunk.request_id]
+            scored = request.prompt_logprobs
+            if scored is None:
+                continue
+            first = max(chunk.start_pos, len(scored) - 1)
+            end = min(chunk.start_pos + len(chunk.token_ids), request.num_prompt_tokens - 1)
+            if first < end:
+                tasks[chunk.request_id] = PromptLogprobsTask(
+                    first - chunk.start_pos,
+                    request.prompt_token_ids[first + 1 : end + 1],
+                    request.sampling_params.prompt_logprobs or 0,
+                )
+        return tasks
 
     def _date_first_scheduling(self, output: SchedulerOutput, start_s: float) -> None:
         """Stamp requests scheduled for the first time with the step's start."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -19,7 +20,14 @@ from pdserve.engine.attention import AttentionMetadata, PrefillSeq, use_cpu_atte
 from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
-from pdserve.engine.sampler import Sampler, SampleRow, SamplingMetadata, use_cpu_sampling_ops
+from pdserve.engine.request import TokenLogprobs
+from pdserve.engine.sampler import (
+    Sampler,
+    SampleRow,
+    SamplingMetadata,
+    token_logprobs,
+    use_cpu_sampling_ops,
+)
 from pdserve.engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
 from pdserve.engine.utils import cdiv
 from pdserve.kernels.cpu import cpu_ops
@@ -39,6 +47,31 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     itemsize = torch.empty((), dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(numel * itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
+
+
+PROMPT_LOGPROBS_ROWS = 256
+"""Prompt positions whose logits are computed at once for prompt logprobs (bounds the memory
+of a long prompt's [positions, vocab] logits)."""
+
+
+@dataclass(frozen=True)
+class PromptLogprobsTask:
+    """Prompt logprobs wanted from one chunk: the logits at chunk.token_ids[first:first + len(
+    targets)] score the prompt tokens that follow those positions (targets)."""
+
+    first: int
+    targets: list[int]
+    num_top: int
+    """Top logprobs per position (SamplingParams.prompt_logprobs)."""
+
+
+@dataclass
+class RunnerOutput:
+    """What one execute() produced, per request id."""
+
+    sampled: dict[str, SampledTokens]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """For each PromptLogprobsTask, the logprobs of its targets, in order."""
 
 
 def num_logit_positions(chunk: ScheduledChunk) -> int:
@@ -77,6 +110,12 @@ class PagedModel:
         """Compute every chunk (writing its K/V into this cache) in one forward; returns the
         float32 logits [sum of num_logit_positions, vocab] of each chunk's trailing
         num_logit_positions(chunk) positions, in chunk order then position order."""
+        hidden, ends = self._forward(chunks)
+        return self._logits_at(hidden, chunks, ends)
+
+    def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
+        """One forward over every chunk: the final hidden states [tokens, hidden] and, per
+        chunk in chunk order, the row just past its last token."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
         batch = [chunks[i] for i in order]  # decodes first (engine/attention.py)
         input_ids, positions, meta = self._prepare_inputs(batch)
@@ -88,6 +127,11 @@ class PagedModel:
         for i in order:
             offset += len(chunks[i].token_ids)
             ends[i] = offset
+        return hidden, ends
+
+    def _logits_at(
+        self, hidden: torch.Tensor, chunks: Sequence[ScheduledChunk], ends: list[int]
+    ) -> torch.Tensor:
         index = [
             p
             for chunk, end in zip(chunks, ends, strict=True)
@@ -189,12 +233,15 @@ class ModelRunner(PagedModel):
         output: SchedulerOutput,
         rows: Mapping[str, SampleRow],
         draft_probs: Mapping[str, torch.Tensor] | None = None,
-    ) -> dict[str, SampledTokens]:
+        prompt_logprobs: Mapping[str, PromptLogprobsTask] | None = None,
+    ) -> RunnerOutput:
         """Compute every chunk; for each chunk that reaches its end, sample one token with
         rows[request_id] or, when it carries speculative tokens, verify them and return the
         accepted ones plus a correction or bonus token. draft_probs[request_id] ([k, V]) is the
-        distribution its proposed tokens were drawn from; absent means one-hot (n-gram)."""
-        logits = self.compute_logits(output.chunks)
+        distribution its proposed tokens were drawn from; absent means one-hot (n-gram).
+        prompt_logprobs[request_id]: the prompt logprobs to score from that request's chunk."""
+        hidden, ends = self._forward(output.chunks)
+        logits = self._logits_at(hidden, output.chunks, ends)
         plain: list[tuple[ScheduledChunk, int]] = []
         spec: list[tuple[ScheduledChunk, int]] = []
         offset = 0
@@ -205,7 +252,29 @@ class ModelRunner(PagedModel):
         sampled = self._sample(logits, plain, rows) if plain else {}
         if spec:
             sampled.update(self._verify(logits, spec, rows, draft_probs or {}))
-        return sampled
+        result = RunnerOutput(sampled)
+        for chunk, end in zip(output.chunks, ends, strict=True):
+            task = (prompt_logprobs or {}).get(chunk.request_id)
+            if task is not None:
+                first_row = end - len(chunk.token_ids) + task.first
+                result.prompt_logprobs[chunk.request_id] = self._prompt_logprobs(
+                    hidden, first_row, task
+                )
+        return result
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, first_row: int, task: PromptLogprobsTask
+    ) -> list[TokenLogprobs]:
+        """Logprobs (of the raw logits, as the sampled tokens') of task.targets, scored at
+        hidden rows first_row.., PROMPT_LOGPROBS_ROWS positions at a time."""
+        out: list[TokenLogprobs] = []
+        for start in range(0, len(task.targets), PROMPT_LOGPROBS_ROWS):
+            targets = task.targets[start : start + PROMPT_LOGPROBS_ROWS]
+            rows = hidden[first_row + start : first_row + start + len(targets)]
+            raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            tokens = torch.tensor(targets, dtype=torch.long)
+            out += token_logprobs(raw, tokens, [task.num_top] * len(targets))
+        return out
 
     def _sample(
         self,

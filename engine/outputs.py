@@ -84,6 +84,9 @@ class RequestUpdate:
     scheduled_s: float | None = None
     """When the request was first scheduled (time.monotonic(), the start of that step): its
     blocks reserved (decode: also for a remote prefill) or its first tokens computed."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the request's first update, when SamplingParams.prompt_logprobs asked: one entry per
+    prompt token, None for the first."""
 
 
 @dataclass

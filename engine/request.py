@@ -50,6 +50,9 @@ class SamplingParams:
     """Keep generating past eos."""
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs (0..20)."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (after the first) plus this many top logprobs
+    (0..20). The prompt is then computed whole, here: no prefix-cache hit, no remote prefill."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     n: int = 1
@@ -115,6 +118,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
         if any(t < 0 for t in self.stop_token_ids):
@@ -239,6 +246,15 @@ class Request:
     """When the request was first scheduled (time.monotonic() at the start of that step)."""
     grammar: GrammarMatcher | None = None
     """The structured-output matcher, advanced with every output token (None: unconstrained)."""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """SamplingParams.prompt_logprobs: one entry per prompt token scored so far (the first
+    token's is None), filled as its prompt chunks are computed; reported with the first
+    output token."""
+    prompt_logprobs_reported: bool = False
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -296,3 +312,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked."""

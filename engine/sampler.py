@@ -546,18 +546,37 @@ def _gather_logprobs(
 ) -> list[TokenLogprobs | None]:
     """raw_logprobs: [L, V] for meta.logprob_rows; token_ids: [N] sampled tokens."""
     assert meta.logprob_rows is not None
-    sampled = token_ids[meta.logprob_rows][:, None]
-    sampled_logprob = raw_logprobs.gather(1, sampled)
-    ranks = (raw_logprobs > sampled_logprob).sum(dim=-1) + 1
-    top = raw_logprobs.topk(meta.max_num_logprobs, dim=-1)
-    top_ids, top_values = top.indices.tolist(), top.values.tolist()
-    out: list[TokenLogprobs | None] = [None] * meta.num_rows
     rows = meta.logprob_rows.tolist()
-    columns = zip(
-        sampled[:, 0].tolist(), sampled_logprob[:, 0].tolist(), ranks.tolist(), strict=True
+    entries = token_logprobs(
+        raw_logprobs,
+        token_ids[meta.logprob_rows],
+        [meta.num_logprobs[row] or 0 for row in rows],
     )
-    for j, (row, (token, logprob, rank)) in enumerate(zip(rows, columns, strict=True)):
-        n = meta.num_logprobs[row] or 0
-        top_n = dict(zip(top_ids[j][:n], top_values[j][:n], strict=True))
-        out[row] = TokenLogprobs(token_id=token, logprob=logprob, rank=rank, top=top_n)
+    out: list[TokenLogprobs | None] = [None] * meta.num_rows
+    for row, entry in zip(rows, entries, strict=True):
+        out[row] = entry
     return out
+
+
+def token_logprobs(
+    raw_logprobs: Tensor, token_ids: Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """Per row of raw_logprobs [L, V] (log_softmax of the raw logits): the logprob and rank
+    of token_ids [L] and the num_top[row] most likely tokens' logprobs."""
+    chosen = token_ids[:, None]
+    chosen_logprob = raw_logprobs.gather(1, chosen)
+    ranks = (raw_logprobs > chosen_logprob).sum(dim=-1) + 1
+    top = raw_logprobs.topk(max(num_top, default=0), dim=-1)
+    top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    columns = zip(
+        chosen[:, 0].tolist(), chosen_logprob[:, 0].tolist(), ranks.tolist(), num_top, strict=True
+    )
+    return [
+        TokenLogprobs(
+            token_id=token,
+            logprob=logprob,
+            rank=rank,
+            top=dict(zip(top_ids[j][:n], top_values[j][:n], strict=True)),
+        )
+        for j, (token, logprob, rank, n) in enumerate(columns)
+    ]

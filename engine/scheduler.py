@@ -135,8 +135,8 @@ class Scheduler:
                 break  # local work needs budget (checked before the prefix-cache lookup counts)
             prefix = (
                 self.kv.get_computed_blocks(request)
-                if request.num_computed_tokens == 0
-                else NO_MATCH
+                if request.num_computed_tokens == 0 and request.prompt_logprobs is None
+                else NO_MATCH  # prompt logprobs need every prompt position computed
             )
             num_new = request.num_tokens - request.num_computed_tokens - prefix.num_tokens
             if self._goes_remote(request, num_new):
@@ -337,6 +337,10 @@ class Scheduler:
             if status is not None:
                 self._finish(request, status)
                 break
+        prompt_logprobs = None
+        if request.prompt_logprobs is not None and not request.prompt_logprobs_reported:
+            request.prompt_logprobs_reported = True
+            prompt_logprobs = request.prompt_logprobs
         return RequestUpdate(
             request.request_id,
             new_ids,
@@ -345,6 +349,7 @@ class Scheduler:
             request.status,
             request.num_cached_tokens,
             request.scheduled_s,
+            prompt_logprobs,
         )
 
     @staticmethod

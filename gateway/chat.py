@@ -12,7 +12,7 @@ from pdserve.gateway.completions import final_usage, usage
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.generation import GenerationRequest
-from pdserve.gateway.logprobs import chat_logprobs
+from pdserve.gateway.logprobs import chat_logprobs, prompt_logprobs
 from pdserve.gateway.openai_api import (
     ChatChoice,
     ChatChunkChoice,
@@ -44,6 +44,7 @@ from pdserve.gateway.tool_calls import (
     resolve_tool_choice,
     template_messages,
 )
+from pdserve.v1 import common_pb2
 
 
 def tool_choice_of(ctx: GatewayContext, body: ChatCompletionRequest) -> Any:
@@ -81,7 +82,7 @@ def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Generation
         prompt_ids = prompt_ids[-body.truncate_prompt_tokens :]
     max_tokens = fit_max_tokens(body.max_output_tokens, len(prompt_ids), max_model_len, "messages")
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = to_sampling_params(body, max_tokens, logprobs)
+    params = to_sampling_params(body, max_tokens, logprobs, body.prompt_logprobs)
     add_token_constraints(params, body, ctx.tokenizer)
     spec = structured_output_of(body)
     tool_spec = constraint(tool_choice, functions, body.parallel_tool_calls)
@@ -138,6 +139,7 @@ async def chat_response(
         )
         for out, parts in zip(outputs, split, strict=True)
     ]
+    prompt_entries = outputs[0].prompt_logprobs or []  # the n choices share one prompt
     return ChatCompletionResponse(
         id=request.request_id,
         created=int(time.time()),
@@ -145,6 +147,11 @@ async def chat_response(
         choices=choices,
         usage=final_usage(request, outputs),
         prompt_token_ids=request.prompt_token_ids if body.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs(
+            prompt_entries, ctx.token_texts, body.return_tokens_as_token_ids
+        )
+        if body.prompt_logprobs is not None
+        else None,
     )
 
 
@@ -159,16 +166,25 @@ async def chat_stream(
     created = int(time.time())
     exclude: set[str] = set() if body.include_usage else {"usage"}
 
-    def chunk(choices: list[ChatChunkChoice], prompt_token_ids: list[int] | None = None) -> str:
+    def chunk(
+        choices: list[ChatChunkChoice],
+        prompt_token_ids: list[int] | None = None,
+        prompt_entries: list[common_pb2.TokenLogprob] | None = None,
+    ) -> str:
         out = ChatCompletionChunk(
             id=request.request_id,
             created=created,
             model=body.model,
             choices=choices,
             prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=None
+            if prompt_entries is None
+            else prompt_logprobs(prompt_entries, ctx.token_texts, body.return_tokens_as_token_ids),
         )
         # vLLM's chunks have token_ids only with return_token_ids, prompt_token_ids only first.
         unset = {"prompt_token_ids"} if prompt_token_ids is None else set()
+        if prompt_entries is None:
+            unset.add("prompt_logprobs")
         choice_unset = {} if body.return_token_ids else {0: {"token_ids"}}
         return out.model_dump_json(
             exclude={**dict.fromkeys(exclude | unset, True), "choices": choice_unset}
@@ -210,7 +226,10 @@ async def chat_stream(
             stop_reason=delta.stop_reason,
             token_ids=delta.token_ids if body.return_token_ids else None,
         )
-        yield chunk([choice])
+        # prompt_logprobs (only 0 may be streamed): with index 0's first tokens
+        wants_prompt = body.prompt_logprobs is not None and delta.index == 0
+        prompt_entries = delta.prompt_logprobs if wants_prompt else None
+        yield chunk([choice], None, prompt_entries)
     if body.include_usage:
         last = ChatCompletionChunk(
             id=request.request_id,

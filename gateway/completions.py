@@ -16,9 +16,10 @@ from typing import Any
 
 from pdserve.gateway.context import GatewayContext
 from pdserve.gateway.generation import GenerationRequest
-from pdserve.gateway.logprobs import completion_logprobs
+from pdserve.gateway.logprobs import completion_logprobs, echo_logprobs, prompt_logprobs
 from pdserve.gateway.openai_api import (
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
@@ -33,6 +34,7 @@ from pdserve.gateway.sampling import (
 )
 from pdserve.gateway.sequence import CompletionDelta, FinalOutput, collect
 from pdserve.gateway.structured_outputs import add_structured_output, structured_output_of
+from pdserve.v1 import common_pb2
 
 
 def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> GenerationRequest:
@@ -48,7 +50,7 @@ def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Generati
     logprobs = body.logprobs
     if body.num_candidates > body.n and logprobs is None:
         logprobs = 0  # best_of ranks candidates by their cumulative logprob
-    params = to_sampling_params(body, max_tokens, logprobs)
+    params = to_sampling_params(body, max_tokens, logprobs, body.num_prompt_logprobs)
     add_token_constraints(params, body, ctx.tokenizer)
     spec = structured_output_of(body)
     if spec is not None:
@@ -136,15 +138,16 @@ async def completion_response(
         CompletionChoice(
             index=out.index,
             text=(echo.text(out.index) if echo else "") + out.text,
-            logprobs=completion_logprobs(
-                out.logprobs, ctx.token_texts, 0, body.return_tokens_as_token_ids
-            )
-            if body.logprobs is not None
-            else None,
+            logprobs=_logprobs(ctx, body, request, out.index, out.prompt_logprobs, out.logprobs),
             finish_reason=out.finish_reason,  # type: ignore[arg-type]
             stop_reason=out.stop_reason,
             prompt_token_ids=request.prompt_of(out.index) if body.return_token_ids else None,
             token_ids=out.token_ids if body.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(
+                out.prompt_logprobs or [], ctx.token_texts, body.return_tokens_as_token_ids
+            )
+            if body.prompt_logprobs is not None
+            else None,
         )
         for out in outputs
     ]
@@ -157,11 +160,33 @@ async def completion_response(
     )
 
 
+def _logprobs(
+    ctx: GatewayContext,
+    body: CompletionRequest,
+    request: GenerationRequest,
+    index: int,
+    prompt_entries: list[common_pb2.TokenLogprob] | None,
+    entries: list[common_pb2.TokenLogprob],
+    text_offset: int = 0,
+) -> CompletionLogprobs | None:
+    """A choice's logprobs (None unless asked); prompt_entries, the prompt's logprobs, are
+    given (not None) where the choice echoes its prompt: they come first."""
+    if body.logprobs is None:
+        return None
+    as_ids = body.return_tokens_as_token_ids
+    if body.echo and prompt_entries is not None:
+        prompt = request.prompts[index // body.n]
+        return echo_logprobs(prompt, prompt_entries, entries, ctx.token_texts, as_ids)
+    return completion_logprobs(entries, ctx.token_texts, text_offset, as_ids)
+
+
 def _chunk_exclusions(exclude: set[str], choice: CompletionChoice) -> dict[str, Any]:
     """What a chunk leaves out: usage unless asked for, and the token-id fields it has not
     set (vLLM's chunks have them only with return_token_ids, prompt_token_ids only first)."""
     unset = {
-        name: True for name in ("prompt_token_ids", "token_ids") if getattr(choice, name) is None
+        name: True
+        for name in ("prompt_token_ids", "token_ids", "prompt_logprobs")
+        if getattr(choice, name) is None
     }
     return {**{key: True for key in exclude}, "choices": {0: unset}}
 
@@ -185,21 +210,21 @@ async def completion_stream(
     echo = _Echo(ctx, body, request) if body.echo else None
     async for delta in deltas:
         index = delta.index
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = completion_logprobs(
-                delta.logprobs,
-                ctx.token_texts,
-                text_offsets[index],
-                body.return_tokens_as_token_ids,
-            )
-            text_offsets[index] += sum(
-                len(ctx.token_texts.text(lp.token_id)) for lp in delta.logprobs
-            )
-        num_output_tokens[index] = delta.num_output_tokens
-        num_cached_tokens[index] = delta.num_cached_tokens
         first = not started[index]
         started[index] = True
+        prompt_entries = (delta.prompt_logprobs or []) if first and body.echo else None
+        logprobs = _logprobs(
+            ctx, body, request, index, prompt_entries, delta.logprobs, text_offsets[index]
+        )
+        if logprobs is not None and logprobs.tokens:  # the next token's offset
+            last = (
+                delta.logprobs[-1].token_id
+                if delta.logprobs
+                else request.prompts[index // body.n][-1]
+            )  # an echoed prompt alone
+            text_offsets[index] = logprobs.text_offset[-1] + len(ctx.token_texts.text(last))
+        num_output_tokens[index] = delta.num_output_tokens
+        num_cached_tokens[index] = delta.num_cached_tokens
         choice = CompletionChoice(
             index=index,
             text=(echo.text(index) if echo and first else "") + delta.text,
@@ -208,6 +233,11 @@ async def completion_stream(
             stop_reason=delta.stop_reason,
             prompt_token_ids=request.prompt_of(index) if body.return_token_ids and first else None,
             token_ids=delta.token_ids if body.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs(
+                delta.prompt_logprobs or [], ctx.token_texts, body.return_tokens_as_token_ids
+            )
+            if body.prompt_logprobs is not None and first
+            else None,
         )
         chunk = CompletionResponse(
             id=request.request_id, created=created, model=body.model, choices=[choice]

@@ -320,6 +320,8 @@ class GenerationPipeline:
         num_done = len(seq.output_token_ids)
         attempt_params.max_tokens = params.max_tokens - num_done
         attempt_params.min_tokens = max(params.min_tokens - num_done, 0)
+        if seq.prompt_logprobs is not None:  # already reported (the new prompt is longer)
+            attempt_params.ClearField("prompt_logprobs")
         if params.HasField("structured_output"):  # the new node's matcher replays them first
             attempt_params.structured_output.num_generated_in_prompt = num_done
         candidates = self._router.rank_prefill(prompt, request.cache_salt)

@@ -101,6 +101,7 @@ def _response(request_id: str, delta: CompletionDelta) -> gateway_pb2.GenerateRe
         prompt_tokens=delta.num_prompt_tokens,
         cached_tokens=delta.num_cached_tokens,
         completion_tokens=delta.num_output_tokens,
+        prompt_logprobs=delta.prompt_logprobs or [],
     )
 
 

@@ -1,7 +1,11 @@
-"""Logprobs in OpenAI's two shapes, from the nodes' TokenLogprob messages.
+"""Logprobs in OpenAI's two shapes, and vLLM's prompt_logprobs, from the nodes' TokenLogprob
+messages.
 
-Completions: parallel lists {tokens, token_logprobs, top_logprobs, text_offset}.
+Completions: parallel lists {tokens, token_logprobs, top_logprobs, text_offset} (with echo,
+the prompt's tokens first: the first one has no logprob).
 Chat: content[] of {token, logprob, bytes, top_logprobs[]}.
+prompt_logprobs: per prompt token, None for the first, then {token id: {logprob, rank,
+decoded_token}} with the prompt token first and the top ones after it.
 """
 
 from __future__ import annotations
@@ -10,7 +14,13 @@ import functools
 from collections.abc import Callable, Sequence
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.gateway.openai_api import ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from pdserve.gateway.openai_api import (
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from pdserve.v1 import common_pb2
 
 # JSON has no -inf; vLLM clamps the same way.
@@ -118,3 +128,50 @@ def chat_logprobs(
         )
         for entry in entries
     ]
+
+
+def echo_logprobs(
+    prompt_token_ids: Sequence[int],
+    prompt_entries: Sequence[common_pb2.TokenLogprob],
+    entries: Sequence[common_pb2.TokenLogprob],
+    texts: TokenTexts,
+    as_token_ids: bool = False,
+) -> CompletionLogprobs:
+    """The completions shape with echo: the prompt's tokens (the first has no logprob, None as
+    in vLLM's; the others prompt_entries'), then the generated ones (entries), offsets from 0."""
+    name = _namer(texts, as_token_ids)
+    first = prompt_token_ids[0]
+    out = CompletionLogprobs(
+        tokens=[name(first)], token_logprobs=[None], top_logprobs=[None], text_offset=[0]
+    )
+    rest = completion_logprobs(
+        [*prompt_entries, *entries], texts, len(texts.text(first)), as_token_ids
+    )
+    out.tokens += rest.tokens
+    out.token_logprobs += rest.token_logprobs
+    out.top_logprobs += rest.top_logprobs
+    out.text_offset += rest.text_offset
+    return out
+
+
+def prompt_logprobs(
+    entries: Sequence[common_pb2.TokenLogprob], texts: TokenTexts, as_token_ids: bool = False
+) -> PromptLogprobs:
+    """vLLM's prompt_logprobs for prompt tokens 1..n-1's entries (the first token's is None)."""
+    name = _namer(texts, as_token_ids)
+    out: PromptLogprobs = [None]
+    for entry in entries:
+        position = {
+            str(entry.token_id): PromptLogprob(
+                logprob=_clamp(entry.logprob), rank=entry.rank, decoded_token=name(entry.token_id)
+            )
+        }
+        for rank, top in enumerate(entry.top, start=1):
+            position.setdefault(
+                str(top.token_id),
+                PromptLogprob(
+                    logprob=_clamp(top.logprob), rank=rank, decoded_token=name(top.token_id)
+                ),
+            )
+        out.append(position)
+    return out

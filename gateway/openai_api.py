@@ -3,7 +3,7 @@ sampling extensions) and every response, streamed or not.
 
 Requests are parsed strictly (a string where a number belongs is a 400, not coerced). Unknown
 fields are ignored with a logged warning, as vLLM does; fields we know but do not implement yet
-(functions, prompt_logprobs, ...) are a 400 naming them, never ignored. Structured outputs and
+(functions, use_beam_search, ...) are a 400 naming them, never ignored. Structured outputs and
 tools are checked in structured_outputs.py and tool_calls.py. Every
 integer the nodes receive fits int32 (seeds int64), and no string may hold a lone surrogate.
 """
@@ -81,7 +81,6 @@ UNSUPPORTED_FIELDS = (
     "functions",
     "function_call",
     "guided_whitespace_pattern",
-    "prompt_logprobs",
     "use_beam_search",
     "logits_processors",
     "prompt_embeds",
@@ -158,9 +157,10 @@ class SamplingRequest(TopLevelRequest):
     guided_choice: Any = None
     guided_grammar: Any = None
     guided_decoding_backend: str | None = None
+    prompt_logprobs: Int32 | None = None
+    """vLLM: each prompt token's logprob plus this many top ones (0..20), not streamable."""
     # Known, not implemented yet: a 400 when set (see UNSUPPORTED_FIELDS).
     guided_whitespace_pattern: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     logits_processors: Any = None
     prompt_embeds: Any = None
@@ -170,6 +170,22 @@ class SamplingRequest(TopLevelRequest):
     _check_unsupported = field_validator(
         *(f for f in UNSUPPORTED_FIELDS if f not in _ENDPOINT_ONLY), mode="before"
     )(_reject_unsupported)
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self) -> SamplingRequest:
+        n = self.prompt_logprobs
+        if n is None:
+            return self
+        if n < -1:
+            raise ValueError("`prompt_logprobs` must be a positive value or -1.")
+        if n == -1 or n > MAX_LOGPROBS:
+            asked = "the whole vocabulary" if n == -1 else str(n)
+            raise ValueError(
+                f"prompt_logprobs asks for {asked}; this server returns at most {MAX_LOGPROBS}"
+            )
+        if self.stream and n > 0:
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -241,17 +257,18 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of > n cannot be streamed")
         return self
 
-    @model_validator(mode="after")
-    def _check_echo(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            # The prompt's logprobs would need prompt_logprobs, which the engine lacks.
-            raise ValueError("echo with logprobs is not supported by this server yet")
-        return self
-
     @property
     def num_candidates(self) -> int:
         """Completions generated per prompt (best_of; n of them are returned)."""
         return self.best_of or self.n
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The prompt logprobs to compute: prompt_logprobs, or (echo with logprobs) as many
+        as logprobs, since the echoed prompt's tokens then have logprobs too (vLLM's rule)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class ContentPart(_Request):
@@ -377,6 +394,20 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob: one token's logprob at a prompt position (prompt_logprobs entries)."""
+
+    logprob: float
+    rank: int | None = None
+    """1-based rank among the whole vocabulary."""
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its logprob;
+the prompt token first, then the top ones."""
+
+
 class CompletionChoice(BaseModel):
     """One completion of /v1/completions (in a chunk: its new text)."""
 
@@ -390,6 +421,8 @@ class CompletionChoice(BaseModel):
     """vLLM's return_token_ids: the choice's prompt (streamed: in its first chunk only)."""
     token_ids: list[int] | None = None
     """vLLM's return_token_ids: the choice's generated tokens (streamed: the new ones)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's prompt_logprobs (streamed: in the choice's first chunk)."""
 
 
 class CompletionResponse(BaseModel):
@@ -483,6 +516,8 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
     """vLLM's return_token_ids: the templated prompt."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's prompt_logprobs of the templated prompt."""
 
 
 class DeltaMessage(BaseModel):
@@ -516,6 +551,8 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None
     """vLLM's return_token_ids: the prompt, in the first chunk only."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """prompt_logprobs (0 top ones: more cannot be streamed), with the first tokens."""
 
 
 class ModelCard(BaseModel):

@@ -39,11 +39,15 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "max_tokens": (lambda v: v >= 1, ">= 1"),
     "logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    "prompt_logprobs": (lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
 }
 
 
 def to_sampling_params(
-    request: SamplingRequest, max_tokens: int, logprobs: int | None
+    request: SamplingRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
 ) -> common_pb2.SamplingParams:
     """The wire parameters of a validated OpenAI request (unset fields stay unset, so the
     engine's defaults apply)."""
@@ -65,6 +69,8 @@ def to_sampling_params(
             setattr(params, name, value)
     if logprobs is not None:
         params.logprobs = logprobs
+    if prompt_logprobs is not None:
+        params.prompt_logprobs = prompt_logprobs
     return params
 
 

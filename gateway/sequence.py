@@ -38,6 +38,9 @@ class CompletionDelta:
     """Prompt tokens a prefix cache served (known from the first node answer on)."""
     num_output_tokens: int = 0
     """Tokens generated so far."""
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+    """On the completion's first delta, when SamplingParams.prompt_logprobs asked: prompt
+    tokens 1..n-1's logprobs."""
 
 
 class SequenceOutput:
@@ -60,6 +63,9 @@ class SequenceOutput:
         self._matcher = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.output_token_ids: list[int] = []
         self.num_cached_tokens: int | None = None
+        self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+        """Prompt tokens 1..n-1's logprobs (when asked), from the first node answer; a
+        resubmission does not ask again."""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -75,10 +81,12 @@ class SequenceOutput:
     def add_chunk(self, chunk: node_pb2.TokenChunk) -> CompletionDelta:
         """Take one TokenChunk from a decode node. An ABORT finish is not applied: the node
         gave up, and the caller resubmits the sequence elsewhere."""
+        prompt_logprobs = None
         if self.num_cached_tokens is None:
             # Only the first node's count is the prompt's: a resubmission's "prompt" includes
             # tokens this sequence generated.
             self.num_cached_tokens = min(chunk.num_cached_tokens, len(self.prompt_token_ids))
+            prompt_logprobs = self.prompt_logprobs = list(chunk.prompt_logprobs)
         token_ids = list(chunk.token_ids)
         self.output_token_ids.extend(token_ids)
         match = self._matcher.feed(self._detokenizer.add(token_ids))
@@ -87,7 +95,9 @@ class SequenceOutput:
             self.finish_reason, self.stop_reason = "stop", match.stop
         elif chunk.finish_reason in _FINISH_REASONS:
             text += self.finish(_FINISH_REASONS[chunk.finish_reason])
-        return self._delta(text, token_ids, list(chunk.logprobs))
+        delta = self._delta(text, token_ids, list(chunk.logprobs))
+        delta.prompt_logprobs = prompt_logprobs
+        return delta
 
     def finish(self, reason: str) -> str:
         """End the sequence without a stop string match: flush the held text and return it."""
@@ -129,8 +139,11 @@ class FinalOutput:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
 
     def add(self, delta: CompletionDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)

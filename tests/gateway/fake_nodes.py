@@ -134,6 +134,10 @@ class FakeDecodeNode(node_pb2_grpc.DecodeNodeServicer):
             if request.prefill_candidates
             else "local",
         )
+        if params.HasField("prompt_logprobs"):
+            first.prompt_logprobs.extend(
+                fake_logprobs(prompt[i], i, params.prompt_logprobs) for i in range(1, len(prompt))
+            )
         self._active += 1
         try:
             chunk, out = first, []

@@ -52,6 +52,21 @@ def test_generate_text(channel: grpc.Channel, tokenizer: Tokenizer, script: list
     assert all(r.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
 
 
+def test_generate_prompt_logprobs_on_the_first_message(channel: grpc.Channel) -> None:
+    params = common_pb2.SamplingParams(max_tokens=3, seed=1, prompt_logprobs=2)
+    responses = generate(
+        channel, token_ids=gateway_pb2.TokenIds(ids=[5, 6, 7, 8]), sampling_params=params
+    )
+    assert [lp.token_id for lp in responses[0].prompt_logprobs] == [6, 7, 8]
+    assert all(len(lp.top) == 2 for lp in responses[0].prompt_logprobs)
+    assert all(not r.prompt_logprobs for r in responses[1:])
+    too_many = common_pb2.SamplingParams(max_tokens=3, prompt_logprobs=21)
+    with pytest.raises(grpc.RpcError) as err:
+        generate(channel, token_ids=gateway_pb2.TokenIds(ids=[5, 6]), sampling_params=too_many)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_logprobs" in (err.value.details() or "")
+
+
 def test_generate_chat_n2_with_stop_string(
     channel: grpc.Channel, tokenizer: Tokenizer, script: list[int]
 ) -> None:

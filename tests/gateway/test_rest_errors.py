@@ -45,7 +45,6 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", completion(stop=["a", "b", "c", "d", "e"]), 400, "stop"),
     ("/v1/completions", completion(stop=5), 400, None),
     ("/v1/completions", completion(logprobs=21), 400, "logprobs"),
-    ("/v1/completions", completion(echo=True, logprobs=1), 400, None),
     ("/v1/completions", completion(stop_token_ids=[-1]), 400, "stop_token_ids"),
     ("/v1/completions", completion(min_tokens=5, max_tokens=3), 400, "min_tokens"),
     ("/v1/completions", completion(logit_bias={"5": 101.0}), 400, "logit_bias"),
@@ -96,7 +95,13 @@ BAD_REQUESTS: list[tuple[str, Any, int, str | None]] = [
     ),
     ("/v1/completions", completion(structured_outputs={"structural_tag": "x"}), 400, None),
     ("/v1/completions", completion(guided_decoding_backend="outlines"), 400, None),
-    ("/v1/completions", completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    ("/v1/completions", completion(prompt_logprobs=21), 400, None),
+    ("/v1/completions", completion(prompt_logprobs=-1), 400, None),  # the whole vocabulary
+    ("/v1/completions", completion(prompt_logprobs=-2), 400, None),
+    ("/v1/completions", completion(prompt_logprobs="1"), 400, "prompt_logprobs"),
+    ("/v1/completions", completion(prompt_logprobs=1, stream=True), 400, None),
+    ("/v1/chat/completions", chat(prompt_logprobs=2, stream=True), 400, None),
+    ("/v1/chat/completions", chat(prompt_logprobs=1 << 31), 400, "prompt_logprobs"),
     ("/v1/completions", completion(use_beam_search=True), 400, "use_beam_search"),
     ("/v1/chat/completions", chat(chat_template="{{ 1 }}"), 400, "chat_template"),
     # chat_template_kwargs may not collide with what the gateway passes the template.

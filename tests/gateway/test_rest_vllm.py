@@ -13,7 +13,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.completions import _best
 from pdserve.gateway.sequence import FinalOutput
 from pdserve.v1 import common_pb2
-from tests.gateway.fake_nodes import EOS_TOKEN_ID, expected_tokens
+from tests.gateway.fake_nodes import EOS_TOKEN_ID, expected_tokens, fake_logprobs
 from tests.gateway.harness import MODEL_NAME, Cluster
 from tests.gateway.test_rest_openai import TIMEOUT_S, client
 
@@ -158,6 +158,80 @@ def test_best_of_ranks_by_cumulative_logprob_per_prompt() -> None:
     ]
     best = _best(outputs, num_candidates=3, n=2)
     assert [(o.index, o.text) for o in best] == [(0, "1"), (1, "0"), (2, "4"), (3, "5")]
+
+
+# --- prompt_logprobs and echo with logprobs --------------------------------------------------
+
+
+def check_prompt_logprobs(got: list, prompt: list[int], num_top: int, texts) -> None:
+    """vLLM's shape: None, then per prompt token {id: {logprob, rank, decoded_token}} with the
+    prompt token first and num_top top ones (the fake node reports the prompt token as the
+    most likely, so they overlap once)."""
+    assert len(got) == len(prompt) and got[0] is None
+    for position, (entry, token) in enumerate(zip(got[1:], prompt[1:], strict=True), start=1):
+        assert list(entry)[0] == str(token)
+        assert len(entry) == max(num_top, 1)
+        assert entry[str(token)] == {
+            "logprob": fake_logprobs(token, position, 0).logprob,
+            "rank": 1,
+            "decoded_token": texts(token),
+        }
+        assert [e["rank"] for e in entry.values()] == list(range(1, len(entry) + 1))
+
+
+def test_prompt_logprobs_completion_and_chat(gw: Cluster, tokenizer: Tokenizer) -> None:
+    prompt = [30, 31, 32, 33]
+    texts = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+    out = client(gw).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 3}
+    )
+    check_prompt_logprobs(out.choices[0].prompt_logprobs, prompt, 3, texts)
+    assert out.choices[0].logprobs is None
+    zero = client(gw).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=2, stream=True,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    chunks = list(zero)
+    check_prompt_logprobs(chunks[0].choices[0].prompt_logprobs, prompt, 0, texts)
+    assert all("prompt_logprobs" not in c.choices[0].model_dump() for c in chunks[1:])
+    messages = [{"role": "user", "content": "Hi"}]
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    chat = client(gw).chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=2, n=2, extra_body={"prompt_logprobs": 1}
+    )
+    check_prompt_logprobs(chat.prompt_logprobs, prompt_ids, 1, texts)
+    asked = sorted(p.prompt_logprobs for p in sent_params(gw))
+    assert asked == [0, 1, 1, 3]  # one per choice
+    plain = client(gw).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=2)
+    assert plain.choices[0].prompt_logprobs is None  # null, as vLLM's
+    assert sum(p.HasField("prompt_logprobs") for p in sent_params(gw)) == 4
+
+
+def test_echo_with_logprobs_scores_the_prompt_too(
+    gw: Cluster, tokenizer: Tokenizer, script: list[int]
+) -> None:
+    prompt = [30, 31, 32]
+    want = expected_tokens(script, len(prompt), 5, 3)
+    out = client(gw).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, seed=5, echo=True, logprobs=2
+    )
+    lp = out.choices[0].logprobs
+    names = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt + want]
+    assert lp.tokens == names
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1] == fake_logprobs(31, 1, 0).logprob
+    assert lp.token_logprobs[3] == fake_logprobs(want[0], 3, 0).logprob
+    offsets = [sum(len(n) for n in names[:i]) for i in range(len(names))]
+    assert lp.text_offset == offsets
+    assert [p.prompt_logprobs for p in sent_params(gw)] == [2]  # echo + logprobs asks for them
+    stream = client(gw).completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=3, seed=5, echo=True, logprobs=2, stream=True
+    )
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = [t for c in chunks for t in c.logprobs.tokens]
+    assert streamed == names
+    assert [o for c in chunks for o in c.logprobs.text_offset] == offsets
+    assert chunks[0].logprobs.token_logprobs[0] is None
 
 
 # --- token ids in responses -------------------------------------------------------------------

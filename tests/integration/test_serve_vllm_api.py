@@ -107,3 +107,35 @@ def test_batched_prompts_equal_offline(client, offline):
     for choice in out.choices:
         want = offline_ids(offline, prompts[choice.index // 2])[:6]
         assert choice.token_ids == want  # type: ignore[attr-defined]
+
+
+def test_prompt_logprobs_equal_offline(client, offline):
+    """prompt_logprobs through serve (the decode node computes such a prompt itself) equal the
+    offline engine's; asked twice, the second time the prompt's blocks are cached and every
+    position is still scored; echo with logprobs reports the same numbers."""
+    tokens = prompt(6)
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    want = offline.generate([tokens], params, use_tqdm=False)[0]
+    model = client.models.list().data[0].id
+    for _ in range(2):
+        out = client.completions.create(
+            model=model, prompt=tokens, max_tokens=4, temperature=0.0,
+            extra_body={"prompt_logprobs": 2, "return_token_ids": True},
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert choice.token_ids == want.outputs[0].token_ids  # type: ignore[attr-defined]
+        got = choice.prompt_logprobs  # type: ignore[attr-defined]
+        assert len(got) == len(tokens) and got[0] is None
+        for entry, expected in zip(got[1:], want.prompt_logprobs[1:], strict=True):
+            assert entry[str(expected.token_id)]["rank"] == expected.rank
+            assert abs(entry[str(expected.token_id)]["logprob"] - expected.logprob) < 1e-4
+            assert [int(t) for t in entry][1:] == [
+                t for t in expected.top if t != expected.token_id
+            ][: len(entry) - 1]
+    echoed = client.completions.create(
+        model=model, prompt=tokens, max_tokens=4, temperature=0.0, echo=True, logprobs=1
+    )
+    scores = echoed.choices[0].logprobs.token_logprobs
+    assert scores[0] is None and len(scores) == len(tokens) + 4
+    for score, expected in zip(scores[1 : len(tokens)], want.prompt_logprobs[1:], strict=True):
+        assert abs(score - expected.logprob) < 1e-4
