@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 import re
+import time
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -555,15 +557,35 @@ class ChatCompletionChunk(BaseModel):
     """prompt_logprobs (0 top ones: more cannot be streamed), with the first tokens."""
 
 
+class ModelPermission(BaseModel):
+    """vLLM's model permission entry (what the server lets clients do with the model)."""
+
+    id: str = Field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
-    """One entry of GET /v1/models."""
+    """One entry of GET /v1/models (vLLM's fields)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pdserve"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model in vLLM; None for a base model."""
     max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -33,11 +33,11 @@ from pdserve.gateway.main import add_gateway_config_flags
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
-_NODE_FLAGS = ("served_model_name", "num_threads", "kv_transport")
+_NODE_FLAGS = ("num_threads", "kv_transport")
+"""NodeConfig fields that are flags of `serve` too, passed on to every node."""
 _TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca", "tls_server_name")
 """NodeConfig's mutual-TLS fields: flags of `serve` too, passed on to every node and the
 gateway."""
-"""NodeConfig fields that are flags of `serve` too, passed on to every node."""
 _GATEWAY_FLAGS = ("host", "port", "grpc_port", "max_num_requests")
 """GatewayConfig fields that are flags of `serve` too, passed on to the gateway."""
 _GATEWAY_OPTIONAL_FLAGS = (
@@ -53,7 +53,15 @@ _GATEWAY_OPTIONAL_FLAGS = (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(p, decode=True)
-    add_config_flags(p.add_argument_group("nodes"), NodeConfig, _NODE_FLAGS + _TLS_FLAGS)
+    nodes = p.add_argument_group("nodes")
+    add_config_flags(nodes, NodeConfig, _NODE_FLAGS + _TLS_FLAGS)
+    nodes.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model ids clients may name, as vLLM's (the nodes report the first; the gateway "
+        "answers to all); None: --model as given",
+    )
     add_gateway_config_flags(
         p.add_argument_group("gateway"), _GATEWAY_FLAGS + _GATEWAY_OPTIONAL_FLAGS
     )
@@ -150,7 +158,10 @@ def node_argv(
     argv = ["--log-level", args.log_level, role]
     argv += EngineArgs.from_cli_args(args).to_argv(decode=decode)
     names = _NODE_FLAGS + _TLS_FLAGS
-    argv += config_argv(NodeConfig(**{name: getattr(args, name) for name in names}))
+    fields = {name: getattr(args, name) for name in names}
+    if args.served_model_name:
+        fields["served_model_name"] = args.served_model_name[0]
+    argv += config_argv(NodeConfig(**fields))
     argv += [*args.node_arg, "--port", str(port)]
     argv += args.decode_node_arg if decode else args.prefill_node_arg
     if metrics_port is not None:
@@ -167,7 +178,7 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
     if prefill:
         argv += flag_argv("prefill_nodes", ",".join(prefill))
     if args.served_model_name:
-        argv += flag_argv("served_model_name", args.served_model_name)
+        argv += ["--served-model-name", *args.served_model_name]
     if args.max_model_len:
         argv += flag_argv("max_model_len", args.max_model_len)
     for name in ("tokenizer", *_GATEWAY_OPTIONAL_FLAGS, *_TLS_FLAGS):

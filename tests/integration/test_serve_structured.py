@@ -1,13 +1,16 @@
 """Structured outputs and tool calling through `pdserve serve` (1 prefill + 1 decode node) on
 the real SmolLM2-135M-Instruct, with the official openai client: a JSON-schema request returns
 schema-valid JSON, identical (greedy) to the offline engine's (the prefill node samples the first
-token under the grammar, the decode node's matcher continues from it), and tool_choice
-"required" gives well-formed calls, streamed and not."""
+token under the grammar, the decode node's matcher continues from it), also with speculative
+decoding and preemption, and tool_choice "required" gives well-formed calls, streamed and
+not."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
@@ -109,3 +112,63 @@ def test_tool_choice_required_gives_well_formed_calls(client):
         (c.function.name, c.function.arguments) for c in choice.message.tool_calls
     ]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+PEOPLE = ["a pilot", "a chef", "a child", "a painter", "a doctor", "a poet", "a sailor", "a judge"]
+
+
+def person_request(model_id: str, who: str) -> dict:
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    return dict(
+        model=model_id,
+        messages=[{"role": "user", "content": f"Give the name and age of {who} as JSON."}],
+        max_tokens=40,
+        temperature=0.0,
+        response_format=fmt,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec_stack(model, tmp_path_factory):
+    """Speculation (the model drafts for itself, unconstrained: drafts the grammar forbids are
+    rejected) and a KV cache too small for the batch (preemption)."""
+    config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    extra = ["--speculative-config", json.dumps(config), "--num-blocks", "24"]
+    s = start_stack(model, tmp_path_factory.mktemp("structured_spec"), 1, 1, extra=extra)
+    try:
+        yield s
+    finally:
+        code = s.proc.stop(timeout_s=40)
+        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
+
+
+def test_json_schema_with_speculation_and_preemption_equals_plain(client, spec_stack):
+    spec_client = openai.OpenAI(
+        base_url=f"{spec_stack.base_url}/v1", api_key="none", timeout=TIMEOUT_S
+    )
+    model_id = client.models.list().data[0].id
+
+    def run(c: openai.OpenAI) -> list[str]:
+        with ThreadPoolExecutor(len(PEOPLE)) as pool:
+            futures = [
+                pool.submit(c.chat.completions.create, **person_request(model_id, who))
+                for who in PEOPLE
+            ]
+            return [f.result(timeout=TIMEOUT_S).choices[0].message.content for f in futures]
+
+    speculated = run(spec_client)
+    for text in speculated:
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert speculated == run(client)  # greedy: speculation and preemption change nothing
+    metrics = spec_stack.nodes["decode-0"]["metrics_address"]
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
+
+    def counter(name: str) -> float:
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    assert counter("pdserve:num_preemptions_total") > 0, "no request was preempted"
+    assert counter("pdserve:spec_decode_num_accepted_tokens_total") > 0
+    assert counter("pdserve:spec_decode_num_draft_tokens_total") > counter(
+        "pdserve:spec_decode_num_accepted_tokens_total"
+    ), "no draft was rejected: the grammar never overruled the unconstrained draft"
+    spec_stack.wait_all_blocks_free()

@@ -21,7 +21,7 @@ SERVE = [
     "--log-level", "DEBUG", "serve", "--model", "models/tiny", "--block-size", "32",
     "--max-model-len", "256", "--remote-prefill-min-tokens", "1", "--speculative-config", SPEC,
     "--no-enable-prefix-caching", "--num-threads", "1", "--kv-transport", "tcp",
-    "--served-model-name", "tiny", "--port", "8001", "--grpc-port", "0",
+    "--served-model-name", "tiny", "alias", "--port", "8001", "--grpc-port", "0",
     "--node-arg=--drain-timeout-s=1", "--decode-node-arg=--max-num-seqs=4",
     "--prefill-node-arg=--prefill-timeout-s=9", "--gateway-arg=--request-timeout-s=5",
     "--gateway-arg=--dns-refresh-s=0",
@@ -92,12 +92,13 @@ def test_gateway_argv_passes_gateway_args_and_the_log_level(args: argparse.Names
         "--log-level", "DEBUG", "gateway", "--model=models/tiny", "--host=127.0.0.1",
         "--port=8001", "--grpc-port=0", "--max-num-requests=1024",
         "--decode-nodes=127.0.0.1:7001,127.0.0.1:7004", "--prefill-nodes=127.0.0.1:7003",
-        "--served-model-name=tiny", "--max-model-len=256",
+        "--served-model-name", "tiny", "alias", "--max-model-len=256",
         "--request-timeout-s=5", "--dns-refresh-s=0",
     ]  # fmt: skip
     assert config_from_args(build_parser().parse_args(argv)) == GatewayConfig(
         model="models/tiny",
         served_model_name="tiny",
+        served_model_aliases=("alias",),
         decode_nodes=("127.0.0.1:7001", "127.0.0.1:7004"),
         prefill_nodes=("127.0.0.1:7003",),
         port=8001,
