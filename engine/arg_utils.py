@@ -20,6 +20,7 @@ from typing import Any, Literal, NamedTuple, Union, get_args, get_origin, get_ty
 from pdserve.engine.config import (
     SUPPORTED_DTYPES,
     CacheConfig,
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -141,6 +142,8 @@ class EngineConfigs(NamedTuple):
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     speculative_config: SpeculativeConfig | None
+    lora_config: LoRAConfig | None
+    """None unless enable_lora."""
 
 
 _CONFIG_FIELD = {"scheduling_policy": "policy"}
@@ -179,6 +182,10 @@ class EngineArgs:
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
     remote_prefill_min_tokens: int = SchedulerConfig.remote_prefill_min_tokens
     max_remote_prefill_queue_tokens: int = SchedulerConfig.max_remote_prefill_queue_tokens
+    enable_lora: bool = LoRAConfig.enable_lora
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
     """Speculative decoding, like vLLM's speculative_config: a SpeculativeConfig or a dict of its
     keys (on the command line, a JSON object), e.g. {"method": "ngram",
@@ -245,13 +252,21 @@ class EngineArgs:
             SpeculativeConfig.from_dict(speculative)
             if isinstance(speculative, Mapping)
             else speculative,
+            LoRAConfig(
+                enable_lora=self.enable_lora,
+                max_loras=self.max_loras,
+                max_lora_rank=self.max_lora_rank,
+                max_cpu_loras=self.max_cpu_loras,
+            )
+            if self.enable_lora
+            else None,
         )
 
 
 def _source(name: str) -> tuple[Any, str]:
     """(type hint, help) of an EngineArgs field: those of the config field it sets."""
     config_name = _CONFIG_FIELD.get(name, name)
-    for config in (ModelConfig, CacheConfig, SchedulerConfig):
+    for config in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig):
         if config_name in config.__dataclass_fields__:
             return get_type_hints(config)[config_name], config_field_docs(config)[config_name]
     doc = config_field_docs(EngineArgs)[name]

@@ -105,6 +105,34 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's flags): adapters applied per request on one base model."""
+
+    enable_lora: bool = False
+    """Accept requests that name a LoRA adapter (PEFT directories)."""
+    max_loras: int = 1
+    """Most distinct adapters in one step (each holds a slot of the stacked LoRA weights)."""
+    max_lora_rank: int = 16
+    """Largest adapter rank accepted (the slots' rank)."""
+    max_cpu_loras: int | None = None
+    """Adapters kept loaded in memory (least recently used dropped first); None: max_loras."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+
+    @property
+    def num_cpu_loras(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 _SPEC_INT_FIELDS = (
     "num_speculative_tokens",
     "prompt_lookup_min",

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from pdserve.engine.arg_utils import EngineArgs
 from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.pooling import EmbeddingOutput, EmbeddingRequestOutput
 from pdserve.engine.request import (
     CompletionOutput,
@@ -52,6 +53,7 @@ class LLM:
             configs.cache_config,
             configs.scheduler_config,
             speculative_config=configs.speculative_config,
+            lora_config=configs.lora_config,
         )
         self._ids = itertools.count()
 
@@ -74,18 +76,26 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in input order.
+        lora_request: one adapter for every prompt, or one (or None) per prompt, as vLLM's.
         Every request is validated before any is queued (ValueError names the problem)."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._as_params_list(sampling_params, len(prompt_list))
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(prompt_list)} prompts")
         token_lists = [self._tokenize(p) for p in prompt_list]
         for tokens, params in zip(token_lists, params_list, strict=True):
             self.engine.validate(tokens, params)
         groups = []
         for i, (tokens, params) in enumerate(zip(token_lists, params_list, strict=True)):
             prio = priority[i] if priority is not None else 0
-            groups.append(self._add(tokens, params, prio))
+            groups.append(self._add(tokens, params, prio, loras[i]))
         self._run(sum((g for g in groups), []), use_tqdm)
         return [
             self._output(prompt, group) for prompt, group in zip(prompt_list, groups, strict=True)
@@ -135,7 +145,11 @@ class LLM:
         return [int(t) for t in prompt]
 
     def _add(
-        self, tokens: list[int], params: SamplingParams, priority: int
+        self,
+        tokens: list[int],
+        params: SamplingParams,
+        priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> list[_OfflineRequest]:
         """Queue params.n child requests (seeded ones get seed, seed + 1, ...)."""
         tracked = []
@@ -146,7 +160,9 @@ class LLM:
                 else replace(params, n=1, seed=None if params.seed is None else params.seed + index)
             )
             request_id = str(next(self._ids))
-            request = self.engine.add_request(request_id, tokens, child, priority=priority)
+            request = self.engine.add_request(
+                request_id, tokens, child, priority=priority, lora_request=lora_request
+            )
             tracked.append(_OfflineRequest(request, index, self._detokenizer(request)))
         return tracked
 
@@ -192,6 +208,7 @@ class LLM:
             finished=True,
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=first.prompt_logprobs,
+            lora_request=first.lora_request,
         )
 
 

@@ -19,8 +19,16 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.config import (
+    CacheConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pdserve.engine.kv_cache.manager import KVCacheManager
+from pdserve.engine.lora.manager import LoRAManager
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.model_runner import ModelRunner, PromptLogprobsTask, kv_block_bytes
 from pdserve.engine.models.loader import ModelArch, load_model
 from pdserve.engine.outputs import (
@@ -84,6 +92,7 @@ class LLMEngine:
         scheduler_config: SchedulerConfig | None = None,
         kv_connector: EngineKVConnector | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
@@ -108,9 +117,16 @@ class LLMEngine:
         kv = KVCacheManager(
             self.num_blocks, self.cache_config.block_size, self.cache_config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(self.scheduler_config, kv, self.max_model_len)
+        self.lora = LoRAManager(model, lora_config) if lora_config is not None else None
+        """The LoRA adapters (None unless lora_config)."""
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            kv,
+            self.max_model_len,
+            max_loras=lora_config.max_loras if lora_config is not None else None,
+        )
         self.runner = ModelRunner(
-            model, arch, self.dtype, self.num_blocks, self.cache_config.block_size
+            model, arch, self.dtype, self.num_blocks, self.cache_config.block_size, lora=self.lora
         )
         self.stats = EngineStats()
         self.kv_connector = kv_connector
@@ -261,6 +277,7 @@ class LLMEngine:
         seed: int | None = None,
         wants_remote_prefill: bool = False,
         prefill_only: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> Request:
         """Validate and queue a request; raises ValueError (queueing nothing) if it is bad.
         seed overrides the effective sampling seed (a prefill node uses the decode node's, so
@@ -271,6 +288,13 @@ class LLMEngine:
         self.validate(token_ids, params)
         if seed is None:
             seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(
+                    f"request names LoRA adapter {lora_request.lora_name!r}, but LoRA is not "
+                    "enabled (--enable-lora)"
+                )
+            self.lora.add(lora_request)  # ValueError if the adapter is bad
         spec = params.structured_output
         grammar = self.grammars.matcher(spec) if spec is not None else None  # ValueError if bad
         if grammar is not None and params.structured_output_resume:
@@ -297,6 +321,7 @@ class LLMEngine:
             wants_remote_prefill=wants_remote_prefill and params.prompt_logprobs is None,
             prefill_only=prefill_only,
             grammar=grammar,
+            lora_request=lora_request,
         )
         self.scheduler.add_request(request)
         return request

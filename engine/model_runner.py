@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
+from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
@@ -104,6 +105,9 @@ class PagedModel:
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.forward_time_s = 0.0
         """Time spent in the model forward (transformer layers), summed over steps."""
+        self.lora: LoRAManager | None = None
+        """The target's LoRA adapters (engine/lora/), when enabled: each forward tells it
+        which adapter each token uses."""
 
     @torch.inference_mode()
     def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -119,6 +123,7 @@ class PagedModel:
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
         batch = [chunks[i] for i in order]  # decodes first (engine/attention.py)
         input_ids, positions, meta = self._prepare_inputs(batch)
+        self._set_lora(batch)
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.forward_time_s += time.perf_counter() - start
@@ -146,7 +151,9 @@ class PagedModel:
         """The final hidden states [len(chunk.token_ids), hidden] of each chunk (prefills
         from position 0, writing their K/V into blocks the caller owns), in chunk order."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
-        input_ids, positions, meta = self._prepare_inputs([chunks[i] for i in order])
+        batch = [chunks[i] for i in order]
+        input_ids, positions, meta = self._prepare_inputs(batch)
+        self._set_lora(batch)
         start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         self.forward_time_s += time.perf_counter() - start
@@ -157,6 +164,10 @@ class PagedModel:
             out[i] = hidden[offset : offset + n]
             offset += n
         return out
+
+    def _set_lora(self, batch: Sequence[ScheduledChunk]) -> None:
+        if self.lora is not None:
+            self.lora.set_batch([(c.lora_name, len(c.token_ids)) for c in batch])
 
     def _prepare_inputs(
         self, chunks: list[ScheduledChunk]
@@ -218,8 +229,10 @@ class ModelRunner(PagedModel):
         num_blocks: int,
         block_size: int,
         use_cpu_kernels: bool = True,
+        lora: LoRAManager | None = None,
     ) -> None:
         super().__init__(model, arch, dtype, num_blocks, block_size)
+        self.lora = lora
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         ops = cpu_ops() if use_cpu_kernels else None

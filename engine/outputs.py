@@ -30,6 +30,8 @@ class ScheduledChunk:
     """How many of token_ids' trailing tokens are speculative (to verify)."""
     samples: bool
     """Whether this chunk reaches the end of the known tokens, so a token is sampled."""
+    lora_name: str | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
 
 @dataclass

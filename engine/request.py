@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.structured_output import StructuredOutputSpec
 
 if TYPE_CHECKING:
@@ -251,10 +252,16 @@ class Request:
     token's is None), filled as its prompt chunks are computed; reported with the first
     output token."""
     prompt_logprobs_reported: bool = False
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter to run with (None: the base model)."""
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = [None]
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -314,3 +321,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Per prompt token (None for the first), when SamplingParams.prompt_logprobs asked."""
+    lora_request: LoRARequest | None = None

@@ -28,10 +28,18 @@ from pdserve.engine.request import Request, RequestStatus, TokenLogprobs
 class Scheduler:
     """Owns the waiting and running queues and the KV cache manager."""
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        max_model_len: int,
+        max_loras: int | None = None,
+    ) -> None:
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
+        """Most distinct LoRA adapters among admitted requests (None: LoRA off)."""
         self.requests: dict[str, Request] = {}
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -129,10 +137,17 @@ class Scheduler:
         self, budget: int, scheduled: dict[str, int], remote: list[RemotePrefill]
     ) -> None:
         # Remote reservations spend no budget, so they are admitted even when it is used up.
+        adapters = self._admitted_adapters()
         while self.waiting and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
             if budget <= 0 and not request.wants_remote_prefill:
                 break  # local work needs budget (checked before the prefix-cache lookup counts)
+            name = request.lora_name
+            if name is not None and name not in adapters:
+                assert self.max_loras is not None  # the engine refuses adapters without LoRA
+                if len(adapters) >= self.max_loras:
+                    break  # its adapter needs a slot: wait until an admitted adapter's end
+                adapters.add(name)
             prefix = (
                 self.kv.get_computed_blocks(request)
                 if request.num_computed_tokens == 0 and request.prompt_logprobs is None
@@ -156,6 +171,11 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+
+    def _admitted_adapters(self) -> set[str]:
+        """The LoRA adapters of the running batch and of requests awaiting remote KV."""
+        admitted = [*self.running, *self.awaiting_kv.values()]
+        return {r.lora_name for r in admitted if r.lora_name is not None}
 
     @property
     def _num_admitted(self) -> int:
@@ -290,6 +310,7 @@ class Scheduler:
                     block_ids=self.kv.get_block_ids(request_id),
                     num_spec_tokens=num_spec,
                     samples=num_new >= known,
+                    lora_name=request.lora_name,
                 )
             )
         finished, self._finished_ids = self._finished_ids, []

@@ -2,7 +2,7 @@
 
 hash(block i) = sha256(hash(block i - 1) || token ids of block i || extra keys). SHA-256 makes a
 collision (two different prefixes mapping to one block) practically impossible, so a cache hit is
-never turned into wrong output. Extra keys (cache_salt, later LoRA ids) go into every block's
+never turned into wrong output. Extra keys (cache_salt, the LoRA adapter's name) go into every block's
 hash, so requests with different salts never share a block.
 """
 
@@ -25,11 +25,16 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     return h.digest()
 
 
-def extra_keys(cache_salt: str | None) -> bytes:
-    """Bytes mixed into every block hash of a request (empty when it has no salt)."""
-    if not cache_salt:
-        return b""
-    return b"\x00salt:" + cache_salt.encode()
+def extra_keys(cache_salt: str | None, lora_name: str | None = None) -> bytes:
+    """Bytes mixed into every block hash of a request: its salt and its LoRA adapter's name
+    (blocks computed under one adapter are never another's or the base model's); empty when
+    it has neither."""
+    out = b""
+    if cache_salt:
+        out += b"\x00salt:" + cache_salt.encode()
+    if lora_name:
+        out += b"\x00lora:" + lora_name.encode()
+    return out
 
 
 def extend_block_hashes(

@@ -155,5 +155,8 @@ class KVCacheManager:
         if num_tokens // self.block_size > len(request.block_hashes):
             tokens = request.token_slice(0, num_tokens)
             extend_block_hashes(
-                request.block_hashes, tokens, self.block_size, extra_keys(request.cache_salt)
+                request.block_hashes,
+                tokens,
+                self.block_size,
+                extra_keys(request.cache_salt, request.lora_name),
             )

@@ -27,6 +27,7 @@ from pdserve.engine.attention import AttentionMetadata, paged_attention
 from pdserve.engine.utils import cdiv
 
 if TYPE_CHECKING:
+    from pdserve.engine.lora.layers import LoRASlots
     from pdserve.engine.models.loader import ModelArch
 
 # Checkpoint projection name -> (our fused projection, index of its rows block).
@@ -135,12 +136,15 @@ class Linear(nn.Module):
         self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None
         """oneDNN-packed copy of weight, made by pack() once the weights are loaded."""
+        self.lora: LoRASlots | None = None
+        """The LoRA adapters' stacked weights (engine/lora/), when LoRA is enabled."""
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.packed, self.bias)
+        y = packed_linear(x, self.weight, self.packed, self.bias)
+        return y if self.lora is None else self.lora.add_to(x, y)
 
 
 class RMSNorm(nn.Module):
