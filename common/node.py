@@ -60,6 +60,7 @@ def build_engine(
         configs.scheduler_config,
         speculative_config=configs.speculative_config,
         kv_connector=kv_connector,
+        lora_config=configs.lora_config,
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.request import RequestStatus, SamplingParams, TokenLogprobs
 from pdserve.engine.structured_output import StructuredOutputKind, StructuredOutputSpec
 from pdserve.kvtransfer.wire import LayoutSignature
@@ -116,3 +117,12 @@ def layout_from_proto(msg: node_pb2.KVLayout) -> LayoutSignature:
     return LayoutSignature(
         **{f.name: getattr(msg, f.name) for f in dataclasses.fields(LayoutSignature)}
     )
+
+
+def lora_from_proto(msg: common_pb2.LoRAAdapter) -> LoRARequest:
+    """ValueError for an empty name or path or an id <= 0."""
+    return LoRARequest(msg.name, msg.id, msg.path)
+
+
+def lora_to_proto(lora: LoRARequest) -> common_pb2.LoRAAdapter:
+    return common_pb2.LoRAAdapter(name=lora.lora_name, id=lora.lora_int_id, path=lora.lora_path)

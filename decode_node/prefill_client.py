@@ -24,9 +24,15 @@ from opentelemetry.trace import Span, SpanKind
 from pdserve.common import tracing
 from pdserve.common.node import GRPC_OPTIONS
 from pdserve.common.node_metrics import NodeMetrics
-from pdserve.common.protocol import layout_to_proto, logprob_from_proto, sampling_params_to_proto
+from pdserve.common.protocol import (
+    layout_to_proto,
+    logprob_from_proto,
+    lora_to_proto,
+    sampling_params_to_proto,
+)
 from pdserve.common.tls import TLSFiles, aio_channel
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.outputs import RemotePrefill, SampledTokens
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.connector import scatter_blocks
@@ -54,6 +60,8 @@ class InFlightRequest:
     task: asyncio.Task | None = None
     trace_context: Context | None = None
     """Parent of the request's remote prefill spans (None when tracing is off)."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter it runs with (None: the base model)."""
 
 
 _PROGRESS_CHECK_S = 0.5
@@ -190,7 +198,9 @@ class PrefillClient:
             engine_loop.submit(lambda: scatter_blocks(engine_loop.engine.kv_cache, target, data))
             arrivals.note(header)
 
-        token = self.receiver.expect(transfer_id, self.layout, num_blocks, on_blocks)
+        lora = tracked.lora
+        layout = self.layout.with_adapter(lora.lora_name if lora is not None else None)
+        token = self.receiver.expect(transfer_id, layout, num_blocks, on_blocks)
         tracked.transfer_id = transfer_id
         request = node_pb2.PrefillRequest(
             request_id=tracked.request_id,
@@ -202,10 +212,12 @@ class PrefillClient:
                 address=self.receiver.address,
                 transfer_id=transfer_id,
                 skip_blocks=skip,
-                layout=layout_to_proto(self.layout),
+                layout=layout_to_proto(layout),
                 token=token,
             ),
         )
+        if lora is not None:
+            request.lora.CopyFrom(lora_to_proto(lora))
         metadata = tracing.grpc_metadata(tracing.context_of(span))
         call = self._stub(address).Prefill(
             request, timeout=self.prefill_timeout_s, metadata=metadata

@@ -15,6 +15,7 @@ from pdserve.common.node_service import NodeError, NodeService
 from pdserve.common.protocol import (
     finish_reason_to_proto,
     logprob_to_proto,
+    lora_from_proto,
     sampling_params_from_proto,
 )
 from pdserve.decode_node.prefill_client import InFlightRequest, PrefillClient
@@ -59,12 +60,15 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         if not rid or rid in self.tracked:
             raise NodeError.invalid(f"bad or duplicate id {rid!r}")
         params = sampling_params_from_proto(request.sampling_params)
+        lora = lora_from_proto(request.lora) if request.HasField("lora") else None
         await self.compile_grammar(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         prompt = list(request.prompt_token_ids)
         candidates = list(request.prefill_candidates) if self.prefiller else []
         observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
-        tracked = InFlightRequest(rid, prompt, params, seed, request.cache_salt, candidates)
+        tracked = InFlightRequest(
+            rid, prompt, params, seed, request.cache_salt, candidates, lora=lora
+        )
         tracked.trace_context = observed.context
         stream = self.loop.open_stream(rid)
         self.tracked[rid] = tracked
@@ -78,6 +82,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
                 cache_salt=request.cache_salt or None,
                 seed=seed,
                 wants_remote_prefill=bool(candidates),
+                lora_request=lora,
             )
 
         try:

@@ -180,12 +180,12 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     scheduling_policy: str = SchedulerConfig.policy
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
-    remote_prefill_min_tokens: int = SchedulerConfig.remote_prefill_min_tokens
-    max_remote_prefill_queue_tokens: int = SchedulerConfig.max_remote_prefill_queue_tokens
     enable_lora: bool = LoRAConfig.enable_lora
     max_loras: int = LoRAConfig.max_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
     max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
+    remote_prefill_min_tokens: int = SchedulerConfig.remote_prefill_min_tokens
+    max_remote_prefill_queue_tokens: int = SchedulerConfig.max_remote_prefill_queue_tokens
     speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None
     """Speculative decoding, like vLLM's speculative_config: a SpeculativeConfig or a dict of its
     keys (on the command line, a JSON object), e.g. {"method": "ngram",

@@ -64,7 +64,7 @@ def _finish_reason(reason: str | None, output: ToolOutput) -> str | None:
 
 def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> GenerationRequest:
     """Check, template, tokenize and size a chat request (raises ApiError)."""
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     max_model_len = ctx.check_decode_available()
     tool_choice = tool_choice_of(ctx, body)
     functions = check_tools(body.tools)
@@ -100,7 +100,7 @@ def prepare_chat(ctx: GatewayContext, body: ChatCompletionRequest) -> Generation
     check_min_tokens(params)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     return ctx.new_request(
-        request_id, prompt_ids, params, body.n, body.cache_salt or "", body.priority
+        request_id, prompt_ids, params, body.n, body.cache_salt or "", body.priority, lora=lora
     )
 
 

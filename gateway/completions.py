@@ -39,7 +39,7 @@ from pdserve.v1 import common_pb2
 
 def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> GenerationRequest:
     """Check, tokenize and size a completions request (raises ApiError)."""
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     max_model_len = ctx.check_decode_available()
     prompts = [
         completion_prompt_ids(ctx.tokenizer, prompt, body.truncate_prompt_tokens)
@@ -66,6 +66,7 @@ def prepare_completion(ctx: GatewayContext, body: CompletionRequest) -> Generati
         body.cache_salt or "",
         body.priority,
         batch,
+        lora,
     )
 
 

@@ -97,6 +97,12 @@ class GatewayConfig(InternalTLSConfig):
     """A stream whose decode node stops producing tokens moves to another decode node with
     its tokens so far after this long without one (or 20 of its recent inter-token gaps, if
     longer); at once (1 s) when the node's load polls fail."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """LoRA adapters clients may name as models: (name, PEFT directory) pairs (vLLM's
+    --lora-modules name=path ...); the nodes need --enable-lora."""
+    allow_runtime_lora_updating: bool = False
+    """Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING); behind --api-key when one is set."""
     tool_call_parser: str | None = None
     """How tool_choice "auto" finds tool calls in the output: hermes (<tool_call> JSON) or
     llama3_json (vLLM's names; needs --enable-auto-tool-choice)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.gateway.admission import Admission
@@ -11,6 +11,7 @@ from pdserve.gateway.config import GatewayConfig
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.generation import GenerationPipeline, GenerationRequest
 from pdserve.gateway.logprobs import TokenTexts
+from pdserve.gateway.lora import LoRARegistry
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import NodeRegistry
 from pdserve.v1 import common_pb2
@@ -27,6 +28,11 @@ class GatewayContext:
     admission: Admission
     token_texts: TokenTexts
     metrics: GatewayMetrics
+    loras: LoRARegistry = field(init=False)
+    """The LoRA adapters clients may name (--lora-modules, then runtime loads)."""
+
+    def __post_init__(self) -> None:
+        self.loras = LoRARegistry(self.config.lora_modules, self.model_names)
 
     @property
     def model_name(self) -> str:
@@ -45,9 +51,14 @@ class GatewayContext:
         """Every id clients may name: --served-model-name's, the first one first."""
         return (self.config.served_model_name, *self.config.served_model_aliases)
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names:
+    def check_model(self, model: str) -> common_pb2.LoRAAdapter | None:
+        """404 unless model is the base model's id or an adapter's; the adapter, if one."""
+        if model in self.model_names:
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
             raise ApiError.model_not_found(model)
+        return lora
 
     def check_decode_available(self) -> int:
         """Fail fast (503) when no decode node accepts work; else the max_model_len."""
@@ -65,6 +76,7 @@ class GatewayContext:
         cache_salt: str = "",
         priority: int = 0,
         batch: tuple[list[int], ...] = (),
+        lora: common_pb2.LoRAAdapter | None = None,
     ) -> GenerationRequest:
         """batch: every prompt of a batched completions request (prompt_token_ids first)."""
         return GenerationRequest(
@@ -76,4 +88,5 @@ class GatewayContext:
             cache_salt=cache_salt,
             priority=priority,
             batch=batch,
+            lora=lora,
         )

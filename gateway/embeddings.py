@@ -133,7 +133,8 @@ class EmbeddingRoutes:
 
     async def embeddings(self, body: EmbeddingRequest) -> EmbeddingResponse:
         ctx = self.ctx
-        ctx.check_model(body.model)
+        if ctx.check_model(body.model) is not None:
+            raise ApiError.bad_request("embeddings with a LoRA adapter are not supported", "model")
         ticket = ctx.admission.admit()
         try:
             lists = await asyncio.to_thread(_token_lists, ctx, body)

@@ -61,6 +61,8 @@ class GenerationRequest:
     batch: tuple[list[int], ...] = ()
     """Every prompt of a batched /v1/completions request (prompt_token_ids is batch[0]); empty
     for one prompt."""
+    lora: common_pb2.LoRAAdapter | None = None
+    """The LoRA adapter the request names as its model (None: the base model)."""
 
     @property
     def prompts(self) -> tuple[list[int], ...]:
@@ -332,7 +334,7 @@ class GenerationPipeline:
             # request (and bursts sharing a prefix) follow each other.
             release = self._router.reserve_prefill(candidates[0], len(prompt))
             self._router.record_prefill(candidates[0].node.address, prompt, request.cache_salt)
-        return node_pb2.DecodeRequest(
+        decode_request = node_pb2.DecodeRequest(
             # A fresh id per attempt: the failed node may still hold the old one.
             request_id=child_id if attempt == 0 else f"{child_id}-retry{attempt}",
             prompt_token_ids=prompt,
@@ -340,7 +342,10 @@ class GenerationPipeline:
             prefill_candidates=[c.node.address for c in candidates],
             cache_salt=request.cache_salt,
             priority=request.priority,
-        ), release
+        )
+        if request.lora is not None:
+            decode_request.lora.CopyFrom(request.lora)
+        return decode_request, release
 
     async def _stream(
         self,

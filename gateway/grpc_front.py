@@ -67,7 +67,7 @@ def prepare_generate(
     ctx: GatewayContext, request: gateway_pb2.GenerateRequest
 ) -> GenerationRequest:
     """Check, tokenize and size a gRPC GenerateRequest (raises ApiError)."""
-    ctx.check_model(request.model)
+    lora = ctx.check_model(request.model)
     max_model_len = ctx.check_decode_available()
     n = request.n if request.HasField("n") else 1
     if not 1 <= n <= MAX_N:
@@ -85,7 +85,9 @@ def prepare_generate(
         )
     # The id inside pdserve is always ours (unique, fixed size): a client's id is echoed in
     # the responses and traced, never used to key anything, so two calls may share one.
-    return ctx.new_request(f"gen-{uuid.uuid4().hex}", prompt_ids, params, n, request.cache_salt)
+    return ctx.new_request(
+        f"gen-{uuid.uuid4().hex}", prompt_ids, params, n, request.cache_salt, lora=lora
+    )
 
 
 def _response(request_id: str, delta: CompletionDelta) -> gateway_pb2.GenerateResponse:

@@ -35,6 +35,7 @@ from pdserve.gateway.generation import GenerationPipeline
 from pdserve.gateway.grpc_front import GrpcFront
 from pdserve.gateway.http_limits import deadline_protocol
 from pdserve.gateway.logprobs import TokenTexts
+from pdserve.gateway.lora import parse_lora_module
 from pdserve.gateway.metrics import GatewayMetrics
 from pdserve.gateway.registry import NodeRegistry
 from pdserve.gateway.router import Router
@@ -71,6 +72,7 @@ CONFIG_FLAGS = (
     "api_key",
     "tool_call_parser",
     "enable_auto_tool_choice",
+    "allow_runtime_lora_updating",
     "tls_cert",
     "tls_key",
     "tls_ca",
@@ -117,6 +119,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CORS: origins browsers may call the REST API from, as JSON (vLLM's form), e.g. "
         "'[\"https://app.example.com\"]' or '[\"*\"]' (default: none, no CORS headers)",
     )
+    parser.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        help="LoRA adapters clients may name as models, vLLM's form: name=path or "
+        '\'{"name": "sql", "path": "/adapters/sql"}\' (the nodes need --enable-lora)',
+    )
     add_gateway_config_flags(parser)
     # SUPPRESS: under `pdserve gateway` the top-level --log-level must not be overwritten by
     # this sub-command's default.
@@ -149,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         served_model_aliases=tuple((args.served_model_name or [])[1:]),
         decode_nodes=parse_address_list(args.decode_nodes),
         prefill_nodes=parse_address_list(args.prefill_nodes),
+        lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
         log_level=_log_level(args),
         **plain
         | {

@@ -32,6 +32,7 @@ from pdserve.gateway.dashboard import add_dashboard_routes
 from pdserve.gateway.embeddings import add_embedding_routes
 from pdserve.gateway.errors import ApiError
 from pdserve.gateway.generation import GenerationRequest
+from pdserve.gateway.lora import add_lora_routes
 from pdserve.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -168,6 +169,16 @@ class RestFront:
                 id=name, created=created, root=ctx.config.model, max_model_len=ctx.max_model_len()
             )
             for name in ctx.model_names
+        ]
+        cards += [  # vLLM's: an adapter's parent is the base model, its root its directory
+            ModelCard(
+                id=lora.name,
+                created=created,
+                root=lora.path,
+                parent=ctx.model_name,
+                max_model_len=ctx.max_model_len(),
+            )
+            for lora in ctx.loras.adapters
         ]
         return ModelList(data=cards)
 
@@ -317,6 +328,8 @@ def build_app(ctx: GatewayContext) -> FastAPI:
     add_dashboard_routes(app, ctx)
     add_vllm_routes(app, ctx)
     add_embedding_routes(app, ctx)
+    if ctx.config.allow_runtime_lora_updating:
+        add_lora_routes(app, ctx.loras)
     app.add_api_route("/v1/models", front.models, methods=["GET"])
     app.add_api_route("/v1/completions", front.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", front.chat_completions, methods=["POST"])

@@ -69,6 +69,8 @@ class PushTarget:
     trace_context: dict[str, str] = field(default_factory=dict)
     token: str = ""
     """The transfer's secret from the receiver (KVTarget.token), sent in every header."""
+    lora_name: str = ""
+    """The LoRA adapter the KV is computed under (its name goes into the header's layout)."""
 
 
 @dataclass
@@ -145,7 +147,7 @@ class KVPushConnector:
         payload = gather_blocks(self.kv_cache, block_ids)
         header = TransferHeader(
             transfer_id=push.target.transfer_id,
-            layout=self.layout,
+            layout=self.layout.with_adapter(push.target.lora_name),
             first_block=push.next_block - push.target.skip_blocks,
             num_blocks=len(block_ids),
             payload_bytes=payload.nbytes,

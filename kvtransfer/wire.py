@@ -26,7 +26,7 @@ physical block ids: each side maps them to its own physical blocks. Hence
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 WIRE_VERSION = 2
 """2: the token after the transfer id."""
@@ -35,6 +35,8 @@ MAX_HEADER_BYTES = 16 * 1024
 """Receivers reject longer headers (the trace context is the only part that can grow)."""
 
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+LORA_SEPARATOR = "+lora:"
+"""Between the model id and a LoRA adapter's name in a layout's model (with_adapter)."""
 
 _PREFIX = struct.Struct("!4sHI")
 HEADER_PREFIX_BYTES = _PREFIX.size
@@ -82,6 +84,13 @@ class LayoutSignature:
         """Bytes of one block across all layers, keys and values."""
         elems = self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
         return elems * self.itemsize
+
+    def with_adapter(self, lora_name: str | None) -> LayoutSignature:
+        """The layout of KV computed under a LoRA adapter: the adapter's name joins the model
+        id, so KV computed without it (or under another) is refused like any mismatch."""
+        if not lora_name:
+            return self
+        return replace(self, model=f"{self.model}{LORA_SEPARATOR}{lora_name}")
 
     def check(self, other: LayoutSignature) -> None:
         """Raise KVLayoutMismatch naming every field where other differs from self."""

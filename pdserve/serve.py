@@ -28,6 +28,7 @@ from pathlib import Path
 from pdserve.common.node_config import NodeConfig
 from pdserve.common.tls import TLSFiles, sync_channel
 from pdserve.engine.arg_utils import EngineArgs, add_config_flags, config_argv, flag_argv
+from pdserve.gateway.lora import parse_lora_module
 from pdserve.gateway.main import add_gateway_config_flags
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ _GATEWAY_OPTIONAL_FLAGS = (
     "api_key",
     "tool_call_parser",
     "enable_auto_tool_choice",
+    "allow_runtime_lora_updating",
 )
 """GatewayConfig fields that are flags of `serve` too, passed on only when set."""
 
@@ -64,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_gateway_config_flags(
         p.add_argument_group("gateway"), _GATEWAY_FLAGS + _GATEWAY_OPTIONAL_FLAGS
+    )
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=[],
+        help="LoRA adapters clients may name as models (name=path or vLLM's JSON form), passed "
+        "to the gateway; the nodes need --enable-lora",
     )
     p.add_argument("--num-prefill", type=int, default=1, help="prefill node processes (0 = none)")
     p.add_argument("--num-decode", type=int, default=1, help="decode node processes (>= 1)")
@@ -179,6 +189,8 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
         argv += flag_argv("prefill_nodes", ",".join(prefill))
     if args.served_model_name:
         argv += ["--served-model-name", *args.served_model_name]
+    if args.lora_modules:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in args.lora_modules)]
     if args.max_model_len:
         argv += flag_argv("max_model_len", args.max_model_len)
     for name in ("tokenizer", *_GATEWAY_OPTIONAL_FLAGS, *_TLS_FLAGS):

@@ -8,7 +8,12 @@ import logging
 import grpc
 
 from pdserve.common.node_service import NodeError, NodeService
-from pdserve.common.protocol import layout_from_proto, logprob_to_proto, sampling_params_from_proto
+from pdserve.common.protocol import (
+    layout_from_proto,
+    logprob_to_proto,
+    lora_from_proto,
+    sampling_params_from_proto,
+)
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RequestUpdate
@@ -115,7 +120,9 @@ class PrefillServicer(NodeService, node_pb2_grpc.PrefillNodeServicer):
         prompt = list(request.prompt_token_ids)
         self._check_target(target, len(prompt), context.peer())
         # a mismatch is FAILED_PRECONDITION (never garbage KV), bad params INVALID_ARGUMENT
-        self.connector.layout.check(layout_from_proto(target.layout))
+        lora = lora_from_proto(request.lora) if request.HasField("lora") else None
+        lora_name = lora.lora_name if lora is not None else ""
+        self.connector.layout.with_adapter(lora_name).check(layout_from_proto(target.layout))
         params = sampling_params_from_proto(request.sampling_params)
         await self.compile_grammar(params)
         observed = self.telemetry.begin(rid, len(prompt), context.invocation_metadata())
@@ -125,6 +132,7 @@ class PrefillServicer(NodeService, node_pb2_grpc.PrefillNodeServicer):
             target.skip_blocks,
             observed.push_context(),
             target.token,
+            lora_name,
         )
         stream = self.loop.open_stream(rid)
         self.connector.register(rid, push, len(prompt))
@@ -138,6 +146,7 @@ class PrefillServicer(NodeService, node_pb2_grpc.PrefillNodeServicer):
                 cache_salt=request.cache_salt or None,
                 seed=request.seed,
                 prefill_only=True,
+                lora_request=lora,  # ValueError (INVALID_ARGUMENT) if it cannot be loaded
             )
 
         error: BaseException | None = None

@@ -33,6 +33,11 @@ ENGINE_FLAGS = [
     "--scheduling-policy",
     "--enable-chunked-prefill",
     "--no-enable-chunked-prefill",
+    "--enable-lora",
+    "--no-enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
+    "--max-cpu-loras",
 ]
 DECODE_FLAGS = [
     "--remote-prefill-min-tokens",
@@ -63,7 +68,7 @@ def test_the_flags_keep_vllms_names() -> None:
 def test_every_default_is_the_configs() -> None:
     args = EngineArgs(model="m")
     configs = args.to_configs()
-    assert configs == (ModelConfig(model="m"), CacheConfig(), SchedulerConfig(), None)
+    assert configs == (ModelConfig(model="m"), CacheConfig(), SchedulerConfig(), None, None)
     assert (args.dtype, args.max_model_len, args.seed) == ("auto", None, 0)
     assert (args.block_size, args.num_blocks, args.kv_cache_memory) == (16, None, 4.0)
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (128, 2048)

@@ -9,15 +9,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import peft
 import pytest
 import torch
 import transformers
 
-peft = pytest.importorskip("peft")
+from pdserve.engine import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import ALL_PROJECTIONS as ALL
+from tests.lora_adapters import make_adapter
 
-from pdserve.engine import LLM, LoRARequest, SamplingParams  # noqa: E402
-
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {  # name -> (rank, targets, rslora)
     "all-r8": (8, ALL, False),
     "qv-r4": (4, ["q_proj", "v_proj"], False),
@@ -32,23 +32,8 @@ MAX_TOKENS = 10
 def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, LoRARequest]:
     out = {}
     for i, (name, (rank, targets, rslora)) in enumerate(ADAPTERS.items(), start=1):
-        torch.manual_seed(i)
-        base = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-        config = peft.LoraConfig(
-            r=rank,
-            lora_alpha=2 * rank,
-            target_modules=targets,
-            use_rslora=rslora,
-            init_lora_weights=False,  # random A and B: an adapter that changes the output
-        )
-        model = peft.get_peft_model(base, config)
-        with torch.no_grad():  # large enough to change greedy choices on a random base
-            for param_name, param in model.named_parameters():
-                if "lora_B" in param_name:
-                    param.mul_(20.0)
-        path = tmp_path_factory.mktemp(name)
-        model.save_pretrained(path)
-        out[name] = LoRARequest(name, i, str(path))
+        path = make_adapter(tiny_llama, tmp_path_factory.mktemp(name), i, rank, targets, rslora)
+        out[name] = LoRARequest(name, i, path)
     return out
 
 

@@ -121,6 +121,17 @@ def test_layout_check_names_every_differing_field_with_both_values():
     assert isinstance(info.value, ValueError)
 
 
+def test_a_lora_adapter_is_part_of_the_layout_a_transfer_carries():
+    sql = SMALL_F32.with_adapter("sql")
+    assert SMALL_F32.with_adapter(None) == SMALL_F32 == SMALL_F32.with_adapter("")
+    sql.check(SMALL_F32.with_adapter("sql"))
+    for other in (SMALL_F32, SMALL_F32.with_adapter("poem")):  # base KV, another adapter's
+        with pytest.raises(KVLayoutMismatch, match="sql"):
+            sql.check(other)
+    decoded = TransferHeader.decode(header(layout=sql, payload_bytes=4 * sql.block_bytes).encode())
+    assert decoded.layout == sql
+
+
 def test_layout_rejects_unknown_dtype_and_empty_dims():
     with pytest.raises(ValueError, match="dtype"):
         LayoutSignature("m", "float16", 1, 1, 1, 1)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x8a\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12,\n\tbad_words\x18\x12 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12<\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x14\n\x12_structured_outputB\x12\n\x10_prompt_logprobs\"r\n\x10StructuredOutput\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .pdserve.v1.StructuredOutputKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x1f\n\x17num_generated_in_prompt\x18\x03 \x01(\x05\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob*\xf0\x01\n\x14StructuredOutputKind\x12&\n\"STRUCTURED_OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_OUTPUT_KIND_JSON\x10\x01\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_OBJECT\x10\x02\x12 \n\x1cSTRUCTURED_OUTPUT_KIND_REGEX\x10\x03\x12!\n\x1dSTRUCTURED_OUTPUT_KIND_CHOICE\x10\x04\x12\"\n\x1eSTRUCTURED_OUTPUT_KIND_GRAMMAR\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/common.proto\x12\npdserve.v1\"\x8a\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\n\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x11 \x03(\x05\x12,\n\tbad_words\x18\x12 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12<\n\x11structured_output\x18\x14 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputH\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\x0c\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x14\n\x12_structured_outputB\x12\n\x10_prompt_logprobs\"r\n\x10StructuredOutput\x12.\n\x04kind\x18\x01 \x01(\x0e\x32 .pdserve.v1.StructuredOutputKind\x12\r\n\x05value\x18\x02 \x01(\t\x12\x1f\n\x17num_generated_in_prompt\x18\x03 \x01(\x05\"5\n\x0bLoRAAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x05\x12\x0c\n\x04path\x18\x03 \x01(\t\"\"\n\rTokenSequence\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"d\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12#\n\x03top\x18\x04 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob*\xf0\x01\n\x14StructuredOutputKind\x12&\n\"STRUCTURED_OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x1f\n\x1bSTRUCTURED_OUTPUT_KIND_JSON\x10\x01\x12&\n\"STRUCTURED_OUTPUT_KIND_JSON_OBJECT\x10\x02\x12 \n\x1cSTRUCTURED_OUTPUT_KIND_REGEX\x10\x03\x12!\n\x1dSTRUCTURED_OUTPUT_KIND_CHOICE\x10\x04\x12\"\n\x1eSTRUCTURED_OUTPUT_KIND_GRAMMAR\x10\x05*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_STRUCTUREDOUTPUTKIND']._serialized_start=1252
-  _globals['_STRUCTUREDOUTPUTKIND']._serialized_end=1492
-  _globals['_FINISHREASON']._serialized_start=1494
-  _globals['_FINISHREASON']._serialized_end=1614
+  _globals['_STRUCTUREDOUTPUTKIND']._serialized_start=1307
+  _globals['_STRUCTUREDOUTPUTKIND']._serialized_end=1547
+  _globals['_FINISHREASON']._serialized_start=1549
+  _globals['_FINISHREASON']._serialized_end=1669
   _globals['_SAMPLINGPARAMS']._serialized_start=40
   _globals['_SAMPLINGPARAMS']._serialized_end=946
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=683
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=731
   _globals['_STRUCTUREDOUTPUT']._serialized_start=948
   _globals['_STRUCTUREDOUTPUT']._serialized_end=1062
-  _globals['_TOKENSEQUENCE']._serialized_start=1064
-  _globals['_TOKENSEQUENCE']._serialized_end=1098
-  _globals['_TOPLOGPROB']._serialized_start=1100
-  _globals['_TOPLOGPROB']._serialized_end=1147
-  _globals['_TOKENLOGPROB']._serialized_start=1149
-  _globals['_TOKENLOGPROB']._serialized_end=1249
+  _globals['_LORAADAPTER']._serialized_start=1064
+  _globals['_LORAADAPTER']._serialized_end=1117
+  _globals['_TOKENSEQUENCE']._serialized_start=1119
+  _globals['_TOKENSEQUENCE']._serialized_end=1153
+  _globals['_TOPLOGPROB']._serialized_start=1155
+  _globals['_TOPLOGPROB']._serialized_end=1202
+  _globals['_TOKENLOGPROB']._serialized_start=1204
+  _globals['_TOKENLOGPROB']._serialized_end=1304
 # @@protoc_insertion_point(module_scope)

@@ -96,6 +96,16 @@ class StructuredOutput(_message.Message):
     num_generated_in_prompt: int
     def __init__(self, kind: _Optional[_Union[StructuredOutputKind, str]] = ..., value: _Optional[str] = ..., num_generated_in_prompt: _Optional[int] = ...) -> None: ...
 
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
 class TokenSequence(_message.Message):
     __slots__ = ("token_ids",)
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
