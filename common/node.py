@@ -9,6 +9,7 @@ decode_node/) is a `NodeRole`: its KV transport, its servicer, and how it closes
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import socket
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -66,6 +68,33 @@ def build_engine(
 
 def served_model_name(config: NodeConfig, engine_args: EngineArgs) -> str:
     return config.served_model_name or engine_args.model
+
+
+_FINGERPRINT_SUFFIXES = (".json", ".safetensors", ".gguf", ".bin", ".model", ".jinja", ".txt")
+_FINGERPRINT_SAMPLE = 1 << 20
+
+
+def checkpoint_fingerprint(model: str) -> str:
+    """A short fingerprint of the checkpoint at model (a directory or a GGUF file): each
+    file's name, size and first and last MiB. Cheap at any model size, and different for any
+    two checkpoints a rolling update swaps (new weights change their bytes, and configs are
+    read whole)."""
+    path = Path(model)
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(p for p in path.iterdir() if p.is_file() and p.suffix in _FINGERPRINT_SUFFIXES)
+    )
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}\0{size}\0".encode())
+        with file.open("rb") as f:
+            digest.update(f.read(_FINGERPRINT_SAMPLE))
+            if size > 2 * _FINGERPRINT_SAMPLE:
+                f.seek(size - _FINGERPRINT_SAMPLE)
+                digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def node_id(config: NodeConfig, role: str) -> str:
@@ -130,6 +159,18 @@ class NodeParts:
     metrics: NodeMetrics
     metrics_address: str
     """host:port of the node's /metrics ("" = off)."""
+    model_version: str = ""
+    """NodeConfig.model_version, else the checkpoint's fingerprint."""
+
+    @property
+    def layout_model(self) -> str:
+        """The model id in this node's KV layouts: the served name and the weights' version,
+        so KV never moves between nodes serving different weights."""
+        return layout_model(self.model, self.model_version)
+
+
+def layout_model(model: str, version: str) -> str:
+    return f"{model}@{version}" if version else model
 
 
 class NodeRole(ABC):
@@ -147,7 +188,7 @@ class NodeRole(ABC):
     @abstractmethod
     async def start(self, model: str) -> EngineKVConnector | None:
         """Start the KV transport (before the engine exists); return the engine's KV connector
-        if the role has one."""
+        if the role has one. model: the model id of this node's KV layouts (layout_model)."""
 
     @abstractmethod
     def servicer(self, parts: NodeParts) -> NodeService:
@@ -172,11 +213,12 @@ async def serve_node(role: NodeRole, engine_args: EngineArgs) -> None:
     loop = asyncio.get_running_loop()
     stop = _stop_event_on_signals(loop)
     model = served_model_name(config, engine_args)
+    version = config.model_version or checkpoint_fingerprint(engine_args.model)
     this_node = node_id(config, role.name)
     tracing.setup(role.name, this_node)
     metrics_server: MetricsServer | None = None
     try:
-        connector = await role.start(model)
+        connector = await role.start(layout_model(model, version))
         engine = build_engine(engine_args, config, kv_connector=connector)
         metrics = NodeMetrics(engine, role.name, model, this_node)
         metrics_server = start_metrics_server(metrics.registry, config)
@@ -188,6 +230,7 @@ async def serve_node(role: NodeRole, engine_args: EngineArgs) -> None:
             engine_loop,
             metrics,
             metrics_server.address if metrics_server else "",
+            version,
         )
         servicer = role.servicer(parts)
         server = NodeServer(config.host, config.port, [role.service_name], config.tls_files())

@@ -34,6 +34,10 @@ class NodeConfig(InternalTLSConfig):
     """Address the /metrics server binds."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take to finish before being aborted."""
+    model_version: str | None = None
+    """Version label of the weights served (rolling updates: KV moves only between nodes of
+    one version; responses carry it as system_fingerprint); None: a fingerprint of the
+    checkpoint's files."""
 
     def __post_init__(self) -> None:
         _check_port("port", self.port)

@@ -136,6 +136,7 @@ def node_load(
     accepting: bool,
     kv_address: str = "",
     metrics_address: str = "",
+    model_version: str = "",
 ) -> node_pb2.NodeLoad:
     """The node's load report (the engine's load snapshot, safe from the event loop)."""
     engine = loop.engine
@@ -155,6 +156,7 @@ def node_load(
         kv_address=kv_address,
         num_preemptions=load.num_preemptions,
         metrics_address=metrics_address,
+        model_version=model_version,
     )
 
 
@@ -166,11 +168,18 @@ class NodeService:
     role = ""
 
     def __init__(
-        self, engine_loop: EngineLoop, node_id: str, model: str, metrics_address: str = ""
+        self,
+        engine_loop: EngineLoop,
+        node_id: str,
+        model: str,
+        metrics_address: str = "",
+        model_version: str = "",
     ) -> None:
         self.loop = engine_loop
         self.node_id = node_id
         self.model = model
+        self.model_version = model_version
+        """The weights' version (NodeParts.model_version), reported in NodeLoad."""
         self.metrics_address = metrics_address
         """host:port of this node's /metrics, reported in NodeLoad ("" = off)."""
         self.accepting = True
@@ -227,6 +236,7 @@ class NodeService:
             self.accepting,
             self.kv_address,
             self.metrics_address,
+            self.model_version,
         )
 
     async def Abort(

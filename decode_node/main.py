@@ -44,7 +44,7 @@ class DecodeRole(NodeRole):
     def servicer(self, parts: NodeParts) -> DecodeServicer:
         assert self.receiver is not None  # start() ran
         engine = parts.engine_loop.engine
-        layout = kv_layout(parts.model, engine.kv_cache, engine.cache_config.block_size)
+        layout = kv_layout(parts.layout_model, engine.kv_cache, engine.cache_config.block_size)
         self.prefill_client = PrefillClient(
             parts.engine_loop,
             self.receiver,
@@ -63,6 +63,7 @@ class DecodeRole(NodeRole):
             self.config.token_timeout_s,
             telemetry,
             parts.metrics_address,
+            parts.model_version,
         )
 
     def add_servicer(self, servicer: DecodeServicer, server: grpc.aio.Server) -> None:

@@ -42,8 +42,9 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
         token_timeout_s: float,
         telemetry: DecodeTelemetry,
         metrics_address: str = "",
+        model_version: str = "",
     ) -> None:
-        super().__init__(engine_loop, node_id, model, metrics_address)
+        super().__init__(engine_loop, node_id, model, metrics_address, model_version)
         self.prefiller = prefiller
         self.token_timeout_s = token_timeout_s
         self.telemetry = telemetry
@@ -158,6 +159,7 @@ class DecodeServicer(NodeService, node_pb2_grpc.DecodeNodeServicer):
             chunk.num_cached_tokens = update.num_cached_tokens
             chunk.prefilled_by = tracked.prefilled_by
             chunk.kv_transfer_bytes = tracked.kv_bytes
+            chunk.model_version = self.model_version
         if update.finished:
             chunk.finish_reason = finish_reason_to_proto(update.status)
         return chunk

@@ -25,6 +25,7 @@ from pdserve.gateway.openai_api import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    fingerprint,
 )
 from pdserve.gateway.prompts import chat_prompt_ids
 from pdserve.gateway.sampling import (
@@ -144,6 +145,7 @@ async def chat_response(
         id=request.request_id,
         created=int(time.time()),
         model=body.model,
+        system_fingerprint=fingerprint(outputs[0].model_version),
         choices=choices,
         usage=final_usage(request, outputs),
         prompt_token_ids=request.prompt_token_ids if body.return_token_ids else None,
@@ -170,11 +172,13 @@ async def chat_stream(
         choices: list[ChatChunkChoice],
         prompt_token_ids: list[int] | None = None,
         prompt_entries: list[common_pb2.TokenLogprob] | None = None,
+        model_version: str = "",
     ) -> str:
         out = ChatCompletionChunk(
             id=request.request_id,
             created=created,
             model=body.model,
+            system_fingerprint=fingerprint(model_version),
             choices=choices,
             prompt_token_ids=prompt_token_ids,
             prompt_logprobs=None
@@ -229,7 +233,7 @@ async def chat_stream(
         # prompt_logprobs (only 0 may be streamed): with index 0's first tokens
         wants_prompt = body.prompt_logprobs is not None and delta.index == 0
         prompt_entries = delta.prompt_logprobs if wants_prompt else None
-        yield chunk([choice], None, prompt_entries)
+        yield chunk([choice], None, prompt_entries, delta.model_version)
     if body.include_usage:
         last = ChatCompletionChunk(
             id=request.request_id,

@@ -24,6 +24,7 @@ from pdserve.gateway.openai_api import (
     CompletionResponse,
     PromptTokensDetails,
     UsageInfo,
+    fingerprint,
 )
 from pdserve.gateway.prompts import completion_prompt_ids, split_prompts
 from pdserve.gateway.sampling import (
@@ -156,6 +157,7 @@ async def completion_response(
         id=request.request_id,
         created=int(time.time()),
         model=body.model,
+        system_fingerprint=fingerprint(outputs[0].model_version),
         choices=choices,
         usage=response_usage,
     )
@@ -241,7 +243,11 @@ async def completion_stream(
             else None,
         )
         chunk = CompletionResponse(
-            id=request.request_id, created=created, model=body.model, choices=[choice]
+            id=request.request_id,
+            created=created,
+            model=body.model,
+            system_fingerprint=fingerprint(delta.model_version),
+            choices=[choice],
         )
         yield chunk.model_dump_json(exclude=_chunk_exclusions(exclude, choice))
     if body.include_usage:

@@ -177,8 +177,12 @@ class GenerationPipeline:
         delta has finish_reason set. Raises ApiError; closing the iterator cancels every
         child's decode call."""
         queue: asyncio.Queue[CompletionDelta | ApiError] = asyncio.Queue()
+        # One version of the weights for all n completions (a rolling update may be under way):
+        # that of the node the first pick finds.
+        first = self._router.pick_decode()
+        version = first.load.model_version if first is not None and first.load else ""
         tasks = [
-            asyncio.create_task(self._run_child(request, i, queue.put_nowait))
+            asyncio.create_task(self._run_child(request, i, queue.put_nowait, version or None))
             for i in range(request.num_choices)
         ]
         try:
@@ -211,6 +215,7 @@ class GenerationPipeline:
         request: GenerationRequest,
         index: int,
         emit: Callable[[CompletionDelta | ApiError], None],
+        model_version: str | None = None,
     ) -> None:
         timer = self._metrics.sequence(request.arrival_s, len(request.prompt_of(index)))
         child_id = child_request_id(request.request_id, index, request.num_choices)
@@ -219,7 +224,7 @@ class GenerationPipeline:
             "gateway.completion", request.trace_context, attributes=attributes
         )
         try:
-            reason = await self._drive_child(request, index, emit, timer, span)
+            reason = await self._drive_child(request, index, emit, timer, span, model_version)
         except ApiError as exc:
             self._end_child(timer, span, "error", exc)
             emit(exc)
@@ -259,9 +264,11 @@ class GenerationPipeline:
         emit: Callable[[CompletionDelta | ApiError], None],
         timer: SequenceTimer,
         span: Span,
+        model_version: str | None = None,
     ) -> str:
-        """Run one completion to its end, on as many decode nodes as it takes; returns its
-        finish reason."""
+        """Run one completion to its end, on as many decode nodes as it takes (of
+        model_version, when given, and always of the version that produced its first tokens);
+        returns its finish reason."""
         params = self._child_params(request, index)
         seq = SequenceOutput(index, self._tokenizer, request.prompt_of(index), params)
         child_id = child_request_id(request.request_id, index, request.num_choices)
@@ -273,13 +280,14 @@ class GenerationPipeline:
                 emit(seq.finish_delta("length"))
                 return "length"
             route = tracing.start_span("gateway.route", parent)
-            node = self._router.pick_decode(exclude=failures.keys())
+            version = seq.model_version or model_version
+            node = self._router.pick_decode(exclude=failures.keys(), model_version=version)
             if node is None:
                 error = _no_node_error(child_id, seq, failures)
                 tracing.end_span(route, error)
                 raise error
             decode_request, release_prefill = self._decode_request(
-                request, child_id, len(failures), params, seq
+                request, child_id, len(failures), params, seq, node
             )
             _describe_route(route, node, decode_request)
             tracing.end_span(route)
@@ -294,6 +302,8 @@ class GenerationPipeline:
                     parent,
                     release_prefill,
                 )
+                if seq.model_version:
+                    self._metrics.produced_by(seq.model_version)
                 return seq.finish_reason or "stop"
             except _NodeFailed as exc:
                 failures[node.address] = str(exc)
@@ -312,10 +322,12 @@ class GenerationPipeline:
         attempt: int,
         params: common_pb2.SamplingParams,
         seq: SequenceOutput,
+        node: NodeState,
     ) -> tuple[node_pb2.DecodeRequest, Callable[[], None]]:
         """The DecodeRequest for an attempt (a resubmission's prompt holds the tokens already
         generated, and its token limits shrink by as many), and the release of the prompt's
-        place in its first prefill candidate's queue (Router.reserve_prefill)."""
+        place in its first prefill candidate's queue (Router.reserve_prefill). Its prefill
+        candidates serve the same weights as node, the decode node it goes to."""
         prompt = seq.prompt_token_ids + seq.output_token_ids
         attempt_params = common_pb2.SamplingParams()
         attempt_params.CopyFrom(params)
@@ -326,7 +338,8 @@ class GenerationPipeline:
             attempt_params.ClearField("prompt_logprobs")
         if params.HasField("structured_output"):  # the new node's matcher replays them first
             attempt_params.structured_output.num_generated_in_prompt = num_done
-        candidates = self._router.rank_prefill(prompt, request.cache_salt)
+        version = node.load.model_version if node.load is not None else None
+        candidates = self._router.rank_prefill(prompt, request.cache_salt, version or None)
         release: Callable[[], None] = _nothing
         if candidates:
             # Counted and recorded now, not when the node reports it, so that the next

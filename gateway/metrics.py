@@ -101,6 +101,13 @@ class GatewayMetrics:
             registry=self.registry,
         )
         families.append(self.request_success)
+        self.completions_by_version = Counter(
+            name("model_version_completions"),
+            "Completions finished, by the model_version of the decode node that produced them "
+            "(a rolling update moves the count from one version to the next).",
+            [*LABELS, "model_version"],
+            registry=self.registry,
+        )
         self.registry.register(VllmNames(families, VLLM_NAMES))
         in_flight = Gauge(
             name("gateway_requests_in_flight"),
@@ -116,6 +123,9 @@ class GatewayMetrics:
 
     def finished(self, finished_reason: str) -> None:
         self.request_success.labels(**self._labels, finished_reason=finished_reason).inc()
+
+    def produced_by(self, model_version: str) -> None:
+        self.completions_by_version.labels(**self._labels, model_version=model_version).inc()
 
 
 class SequenceTimer:

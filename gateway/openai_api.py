@@ -396,6 +396,11 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+def fingerprint(model_version: str) -> str | None:
+    """OpenAI's system_fingerprint for a node's model_version (None when unknown)."""
+    return f"fp_{model_version}" if model_version else None
+
+
 class PromptLogprob(BaseModel):
     """vLLM's Logprob: one token's logprob at a prompt position (prompt_logprobs entries)."""
 
@@ -434,6 +439,8 @@ class CompletionResponse(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
+    """The version of the weights that produced it (fingerprint())."""
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -514,6 +521,8 @@ class ChatCompletionResponse(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
+    """The version of the weights that produced it (fingerprint())."""
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None
@@ -549,6 +558,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None

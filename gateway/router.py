@@ -73,6 +73,13 @@ class PrefillCandidate(NamedTuple):
     matched_blocks: int
 
 
+def _serves(node: NodeState, model_version: str | None) -> bool:
+    """Whether node serves model_version (any, when None)."""
+    return model_version is None or (
+        node.load is not None and node.load.model_version == model_version
+    )
+
+
 def decode_score(node: NodeState) -> tuple[int, int]:
     """Lower is better: requests on the node, then more free blocks. The polled count can be
     up to a poll interval old: the gateway's own open calls replace their share of it (others'
@@ -109,22 +116,33 @@ class Router:
         self._max_hashes_per_node = max_hashes_per_node
         self._prefix_indexes: dict[str, PrefixIndex] = {}
 
-    def pick_decode(self, exclude: Collection[str] = ()) -> NodeState | None:
-        """The better of two random accepting decode nodes (None when none accepts)."""
-        nodes = [n for n in self._registry.decode_nodes if n.accepting and n.address not in exclude]
+    def pick_decode(
+        self, exclude: Collection[str] = (), model_version: str | None = None
+    ) -> NodeState | None:
+        """The better of two random accepting decode nodes, of model_version when given (None
+        when none accepts)."""
+        nodes = [
+            n
+            for n in self._registry.decode_nodes
+            if n.accepting and n.address not in exclude and _serves(n, model_version)
+        ]
         if len(nodes) <= 1:
             return nodes[0] if nodes else None
         first, second = self._rng.sample(nodes, 2)
         return second if decode_score(second) < decode_score(first) else first
 
     def rank_prefill(
-        self, prompt_token_ids: Sequence[int], cache_salt: str = ""
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str = "",
+        model_version: str | None = None,
     ) -> list[PrefillCandidate]:
-        """Accepting prefill nodes, cheapest first: fewest prompt tokens queued there
-        (_prefill_cost), counting the cached prefix as free."""
+        """Accepting prefill nodes (of model_version when given: KV only moves between nodes
+        of one version), cheapest first: fewest prompt tokens queued there (_prefill_cost),
+        counting the cached prefix as free."""
         ranked = []
         for node in self._registry.prefill_nodes:
-            if not node.accepting:
+            if not node.accepting or not _serves(node, model_version):
                 continue
             hashes = self._hashes(node, prompt_token_ids, cache_salt)
             ranked.append(PrefillCandidate(node, self._index(node).match(hashes)))

@@ -41,6 +41,8 @@ class CompletionDelta:
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
     """On the completion's first delta, when SamplingParams.prompt_logprobs asked: prompt
     tokens 1..n-1's logprobs."""
+    model_version: str = ""
+    """The version of the weights producing the completion ("" before the first answer)."""
 
 
 class SequenceOutput:
@@ -66,6 +68,9 @@ class SequenceOutput:
         self.prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
         """Prompt tokens 1..n-1's logprobs (when asked), from the first node answer; a
         resubmission does not ask again."""
+        self.model_version: str | None = None
+        """The version of the weights that produced it (the first node answer's): a
+        resubmission goes only to nodes of this version."""
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
 
@@ -87,6 +92,7 @@ class SequenceOutput:
             # tokens this sequence generated.
             self.num_cached_tokens = min(chunk.num_cached_tokens, len(self.prompt_token_ids))
             prompt_logprobs = self.prompt_logprobs = list(chunk.prompt_logprobs)
+            self.model_version = chunk.model_version
         token_ids = list(chunk.token_ids)
         self.output_token_ids.extend(token_ids)
         match = self._matcher.feed(self._detokenizer.add(token_ids))
@@ -124,6 +130,7 @@ class SequenceOutput:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_cached_tokens=self.num_cached_tokens or 0,
             num_output_tokens=len(self.output_token_ids),
+            model_version=self.model_version or "",
         )
 
 
@@ -140,8 +147,10 @@ class FinalOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     prompt_logprobs: list[common_pb2.TokenLogprob] | None = None
+    model_version: str = ""
 
     def add(self, delta: CompletionDelta) -> None:
+        self.model_version = delta.model_version or self.model_version
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
         self.text += delta.text

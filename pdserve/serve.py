@@ -22,7 +22,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.common.node_config import NodeConfig
@@ -89,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="deadline, per start attempt, for every node to be SERVING and /health to be 200",
     )
     p.add_argument(
+        "--roll-drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="rolling update (SIGHUP): how long each node may take to drain before it is killed",
+    )
+    p.add_argument(
         "--state-file",
         default=None,
         help="once healthy, write the processes (name, address, pid) here as JSON, for tools",
@@ -135,6 +142,9 @@ class Child:
     address: str
     metrics_address: str
     """host:port of its Prometheus /metrics (the gateway: its HTTP port)."""
+    argv: list[str] = field(default_factory=list)
+    """How it was started (a rolling update starts it again the same way)."""
+    core: int | None = None
 
 
 _START_ATTEMPTS = 3
@@ -228,7 +238,9 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             core = len(children) % cores if args.pin_cpus else None
             process = _spawn(f"{role}-{i}", argv, core)
             metrics_address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
-            children.append(Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address))
+            children.append(
+                Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address, argv, core)
+            )
     prefill = [c.address for c in children if c.name.startswith("prefill")]
     decode = [c.address for c in children if c.name.startswith("decode")]
     gateway = _spawn("gateway", gateway_argv(args, prefill, decode), None)
@@ -295,6 +307,61 @@ def stop_stack(children: list[Child], timeout_s: float = 20.0) -> None:
             child.process.wait(5.0)
 
 
+_ROLL_SETTLE_S = 2.0
+"""After a restarted node serves, how long before the next one drains: the gateway polls
+nodes every 0.5 s and must see the new one accepting first, so some node always takes work."""
+
+
+def roll_nodes(
+    children: list[Child],
+    args: argparse.Namespace,
+    tls: TLSFiles | None,
+    stopping: Callable[[], bool] = lambda: False,
+) -> bool:
+    """A rolling update (SIGHUP): every node in turn, prefill nodes first, drains (SIGTERM:
+    it refuses new work, finishes what it has, exits) and starts again with the same flags on
+    the same port, reading --model afresh (point a symlink at new weights, then SIGHUP). The
+    gateway routes around the node while it is away and keeps each request on one model
+    version. False if a node did not come back or serve is stopping (the roll stops there)."""
+    nodes = [c for c in children if c.name != "gateway"]
+    nodes.sort(key=lambda c: not c.name.startswith("prefill"))
+    for child in nodes:
+        if stopping():
+            return False
+        logger.info("rolling update: draining %s", child.name)
+        child.process.send_signal(signal.SIGTERM)
+        try:
+            child.process.wait(args.roll_drain_timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("%s did not drain in time; killing it", child.name)
+            child.process.kill()
+            child.process.wait(5.0)
+        child.process = _spawn(child.name, child.argv, child.core)
+        deadline = time.monotonic() + args.startup_timeout_s
+        while not _node_serving(child.address, tls):
+            if child.process.poll() is not None or time.monotonic() > deadline:
+                logger.error("rolling update: %s did not come back; stopping the roll", child.name)
+                return False
+            time.sleep(0.25)
+        logger.info("rolling update: %s serving again (pid %d)", child.name, child.process.pid)
+        time.sleep(_ROLL_SETTLE_S)
+    logger.info("rolling update: every node restarted")
+    return True
+
+
+def _write_state(path: str, children: list[Child]) -> None:
+    state = [
+        {
+            "name": c.name,
+            "address": c.address,
+            "pid": c.process.pid,
+            "metrics_address": c.metrics_address,
+        }
+        for c in children
+    ]
+    Path(path).write_text(json.dumps(state, indent=2))
+
+
 def _prepare_cpu_kernels() -> None:
     """Build the CPU kernels here, once, if this machine has no build for their key yet: nodes
     started after find it and import it (else every node would wait on the first one's
@@ -312,13 +379,19 @@ def run(args: argparse.Namespace) -> int:
     if args.num_decode < 1:
         raise ValueError("--num-decode must be >= 1")
     stopping = False
+    roll_requested = False
 
     def on_signal(signum: int, frame: object) -> None:
         nonlocal stopping
         stopping = True
 
+    def on_hangup(signum: int, frame: object) -> None:
+        nonlocal roll_requested
+        roll_requested = True
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGHUP, on_hangup)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
     base = f"{scheme}://{host}:{args.port}"
@@ -345,18 +418,15 @@ def run(args: argparse.Namespace) -> int:
         for child in children:
             logger.info("  %-10s %s (pid %d)", child.name, child.address, child.process.pid)
         if args.state_file:
-            state = [
-                {
-                    "name": c.name,
-                    "address": c.address,
-                    "pid": c.process.pid,
-                    "metrics_address": c.metrics_address,
-                }
-                for c in children
-            ]
-            Path(args.state_file).write_text(json.dumps(state, indent=2))
+            _write_state(args.state_file, children)
         reported: set[str] = set()
         while not stopping:
+            if roll_requested:
+                roll_requested = False
+                roll_nodes(children, args, tls, lambda: stopping)
+                reported.clear()
+                if args.state_file:
+                    _write_state(args.state_file, children)
             # A dead node is routed around by the gateway; only the gateway's death ends us.
             for child in children:
                 code = child.process.poll()

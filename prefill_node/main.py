@@ -51,6 +51,7 @@ class PrefillRole(NodeRole):
             PrefillTelemetry(parts.metrics, parts.node_id),
             parts.metrics_address,
             self.config.kv_target_hosts,
+            parts.model_version,
         )
 
     def add_servicer(self, servicer: PrefillServicer, server: grpc.aio.Server) -> None:

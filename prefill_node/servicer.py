@@ -66,8 +66,9 @@ class PrefillServicer(NodeService, node_pb2_grpc.PrefillNodeServicer):
         telemetry: PrefillTelemetry,
         metrics_address: str = "",
         kv_target_hosts: str = "caller",
+        model_version: str = "",
     ) -> None:
-        super().__init__(engine_loop, node_id, model, metrics_address)
+        super().__init__(engine_loop, node_id, model, metrics_address, model_version)
         self.connector = connector
         self.timeout_s = timeout_s
         self.kv_target_hosts = kv_target_hosts

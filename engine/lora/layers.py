@@ -23,15 +23,26 @@ class LoRABatch:
         self.max_rank = max_rank
         self.token_slots: torch.Tensor | None = None
         """[T] int64 slot per token, or None when no token of the forward uses an adapter."""
+        self.first_slot = 0
+        self.end_slot = 0
+        """The slots the forward uses lie in [first_slot, end_slot): only their columns are
+        computed (one adapter in a step costs one slot's columns, not max_loras')."""
+        self.uniform = False
+        """Every token (padding aside) uses the same adapter: no mask needed."""
         self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def set(self, token_slots: torch.Tensor | None) -> None:
         self.token_slots = token_slots
         self._masks = {}
+        if token_slots is None:
+            return
+        used = token_slots[token_slots >= 0]
+        self.first_slot, self.end_slot = int(used.min()), int(used.max()) + 1
+        self.uniform = used.numel() == token_slots.numel() and self.end_slot - self.first_slot == 1
 
     def mask(self, rows: int, num_shards: int, dtype: torch.dtype) -> torch.Tensor:
-        """[rows, slots x shards x R]: 1 where the column belongs to the row's slot (rows past
-        the batch are padding: all 0)."""
+        """[rows, used slots x shards x R]: 1 where the column belongs to the row's slot (rows
+        past the batch are padding: all 0)."""
         key = (rows, num_shards, dtype)
         mask = self._masks.get(key)
         if mask is None:
@@ -39,8 +50,8 @@ class LoRABatch:
             slots = torch.full((rows,), -1, dtype=torch.long)
             slots[: self.token_slots.shape[0]] = self.token_slots
             width = num_shards * self.max_rank
-            column_slot = torch.arange(self.num_slots * width) // width
-            mask = (column_slot[None, :] == slots[:, None]).to(dtype)
+            columns = torch.arange(self.first_slot * width, self.end_slot * width)
+            mask = (columns[None, :] // width == slots[:, None]).to(dtype)
             self._masks[key] = mask
         return mask
 
@@ -77,7 +88,12 @@ class LoRASlots:
 
     def add_to(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's adapter update of x (y when no token uses an adapter)."""
-        if self.batch.token_slots is None:
+        batch = self.batch
+        if batch.token_slots is None:
             return y
-        mask = self.batch.mask(x.shape[0], len(self.shard_sizes), x.dtype)
-        return y.addmm_((x @ self.a.T) * mask, self.b.T)
+        columns = slice(batch.first_slot * self.width, batch.end_slot * self.width)
+        a, b = self.a[columns], self.b[:, columns]
+        hidden = x @ a.T
+        if not (batch.uniform and x.shape[0] == batch.token_slots.shape[0]):
+            hidden *= batch.mask(x.shape[0], len(self.shard_sizes), x.dtype)
+        return y.addmm_(hidden, b.T)

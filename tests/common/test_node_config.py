@@ -39,7 +39,8 @@ def test_flags_and_help() -> None:
     by_dest = {a.dest: a for a in p._actions}
     assert [s for a in p._actions for s in a.option_strings][2:] == [
         "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name", "--host", "--port", "--served-model-name", "--num-threads", "--node-id",
-        "--kv-transport", "--metrics-port", "--metrics-host", "--drain-timeout-s", "--kv-host",
+        "--kv-transport", "--metrics-port", "--metrics-host", "--drain-timeout-s", "--model-version",
+        "--kv-host",
         "--kv-port", "--prefill-timeout-s", "--kv-transfer-timeout-s", "--token-timeout-s",
     ]  # fmt: skip
     assert by_dest["port"].help == "gRPC port (0 = any free)."  # the base's docstring

@@ -26,7 +26,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prefill_candidates: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., priority: _Optional[int] = ..., lora: _Optional[_Union[_common_pb2.LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "prefilled_by", "kv_transfer_bytes", "prompt_logprobs")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_cached_tokens", "num_prompt_tokens", "prefilled_by", "kv_transfer_bytes", "prompt_logprobs", "model_version")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class TokenChunk(_message.Message):
     PREFILLED_BY_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     finish_reason: _common_pb2.FinishReason
@@ -43,7 +44,8 @@ class TokenChunk(_message.Message):
     prefilled_by: str
     kv_transfer_bytes: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prefilled_by: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    model_version: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., prefilled_by: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("address", "transfer_id", "skip_blocks", "layout", "token")
@@ -122,7 +124,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeLoad(_message.Message):
-    __slots__ = ("node_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "max_model_len", "accepting", "generation_tokens_per_s", "kv_address", "num_preemptions", "metrics_address")
+    __slots__ = ("node_id", "role", "model", "num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "block_size", "max_model_len", "accepting", "generation_tokens_per_s", "kv_address", "num_preemptions", "metrics_address", "model_version")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +139,7 @@ class NodeLoad(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     model: str
@@ -151,7 +154,8 @@ class NodeLoad(_message.Message):
     kv_address: str
     num_preemptions: int
     metrics_address: str
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepting: _Optional[bool] = ..., generation_tokens_per_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    model_version: str
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., model: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., accepting: _Optional[bool] = ..., generation_tokens_per_s: _Optional[float] = ..., kv_address: _Optional[str] = ..., num_preemptions: _Optional[int] = ..., metrics_address: _Optional[str] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("inputs", "pooling", "normalize")
