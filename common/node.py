@@ -54,6 +54,11 @@ def build_engine(
     """The node's engine (its configs validated: ValueError names a bad setting); sets the
     process's torch threads to config.num_threads."""
     configs = engine_args.to_configs()
+    if configs.parallel_config.tensor_parallel_size > 1:
+        raise ValueError(
+            "--tensor-parallel-size > 1 is offline-only in this version (LLM, pdserve generate): "
+            "the KV transfer does not move sharded heads yet"
+        )
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     return LLMEngine(
@@ -63,6 +68,7 @@ def build_engine(
         speculative_config=configs.speculative_config,
         kv_connector=kv_connector,
         lora_config=configs.lora_config,
+        parallel_config=configs.parallel_config,
     )
 
 

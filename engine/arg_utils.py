@@ -22,6 +22,7 @@ from pdserve.engine.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -144,6 +145,7 @@ class EngineConfigs(NamedTuple):
     speculative_config: SpeculativeConfig | None
     lora_config: LoRAConfig | None
     """None unless enable_lora."""
+    parallel_config: ParallelConfig
 
 
 _CONFIG_FIELD = {"scheduling_policy": "policy"}
@@ -180,6 +182,8 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     scheduling_policy: str = SchedulerConfig.policy
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     enable_lora: bool = LoRAConfig.enable_lora
     max_loras: int = LoRAConfig.max_loras
     max_lora_rank: int = LoRAConfig.max_lora_rank
@@ -260,13 +264,17 @@ class EngineArgs:
             )
             if self.enable_lora
             else None,
+            ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+            ),
         )
 
 
 def _source(name: str) -> tuple[Any, str]:
     """(type hint, help) of an EngineArgs field: those of the config field it sets."""
     config_name = _CONFIG_FIELD.get(name, name)
-    for config in (ModelConfig, CacheConfig, SchedulerConfig, LoRAConfig):
+    for config in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, LoRAConfig):
         if config_name in config.__dataclass_fields__:
             return get_type_hints(config)[config_name], config_field_docs(config)[config_name]
     doc = config_field_docs(EngineArgs)[name]

@@ -106,6 +106,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split over processes (vLLM's flags; engine/parallel.py)."""
+
+    tensor_parallel_size: int = 1
+    """Ranks each layer is split over (torch.distributed, gloo on CPU): Megatron-style
+    column/row-parallel projections, heads split, one process per rank."""
+    pipeline_parallel_size: int = 1
+    """Stages the layers are split over (only 1 is supported yet)."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"pipeline_parallel_size {self.pipeline_parallel_size}: only 1 is supported yet"
+            )
+
+
+@dataclass(frozen=True)
 class LoRAConfig:
     """Multi-LoRA serving (vLLM's flags): adapters applied per request on one base model."""
 

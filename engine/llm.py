@@ -54,6 +54,7 @@ class LLM:
             configs.scheduler_config,
             speculative_config=configs.speculative_config,
             lora_config=configs.lora_config,
+            parallel_config=configs.parallel_config,
         )
         self._ids = itertools.count()
 

@@ -23,6 +23,7 @@ from pdserve.engine.config import (
     CacheConfig,
     LoRAConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -30,7 +31,8 @@ from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.model_runner import ModelRunner, PromptLogprobsTask, kv_block_bytes
-from pdserve.engine.models.loader import ModelArch, load_model
+from pdserve.engine.models import gguf
+from pdserve.engine.models.loader import ModelArch, load_model, parse_model_arch
 from pdserve.engine.outputs import (
     EngineLoad,
     RequestUpdate,
@@ -39,6 +41,7 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
     StepOutput,
 )
+from pdserve.engine.parallel import TensorParallelGroup, check_tensor_parallel
 from pdserve.engine.platform import tune_allocator
 from pdserve.engine.pooling import POOLING_TYPES, pool
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
@@ -93,13 +96,33 @@ class LLMEngine:
         kv_connector: EngineKVConnector | None = None,
         speculative_config: SpeculativeConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
         start = time.monotonic()
         tune_allocator()
-        model, arch = load_model(model_config.model, model_config.dtype, model_config.max_model_len)
+        self.parallel_config = parallel_config or ParallelConfig()
+        tp_size = self.parallel_config.tensor_parallel_size
+        self.tp: TensorParallelGroup | None = None
+        """Tensor parallelism's workers and process group (None at tensor_parallel_size 1)."""
+        if tp_size > 1:
+            if kv_connector is not None:
+                raise ValueError("tensor parallelism is not supported on prefill nodes yet")
+            if lora_config is not None:
+                raise ValueError("LoRA with tensor parallelism is not supported yet")
+            check_tensor_parallel(parse_model_arch(gguf.model_dir(model_config.model)), tp_size)
+            self.tp = TensorParallelGroup(
+                tp_size,
+                model_config.model,
+                model_config.dtype,
+                model_config.max_model_len,
+                torch.get_num_threads(),
+            )
+        model, arch = load_model(
+            model_config.model, model_config.dtype, model_config.max_model_len, 0, tp_size
+        )
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer or model_config.model)
@@ -128,6 +151,9 @@ class LLMEngine:
         self.runner = ModelRunner(
             model, arch, self.dtype, self.num_blocks, self.cache_config.block_size, lora=self.lora
         )
+        if self.tp is not None:
+            self.tp.start_workers(self.num_blocks, self.cache_config.block_size)
+            self.runner.tp = self.tp
         self.stats = EngineStats()
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -227,6 +253,11 @@ class LLMEngine:
             num_prompt_tokens=stats.num_prompt_tokens,
             num_generation_tokens=stats.num_generation_tokens,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also at exit); idempotent."""
+        if self.tp is not None:
+            self.tp.close()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix block (vLLM's reset_prefix_cache); False, changing

@@ -21,6 +21,7 @@ from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
+from pdserve.engine.parallel import TensorParallelGroup
 from pdserve.engine.request import TokenLogprobs
 from pdserve.engine.sampler import (
     Sampler,
@@ -108,6 +109,9 @@ class PagedModel:
         self.lora: LoRAManager | None = None
         """The target's LoRA adapters (engine/lora/), when enabled: each forward tells it
         which adapter each token uses."""
+        self.tp: TensorParallelGroup | None = None
+        """Tensor parallelism (engine/parallel.py): each forward's inputs go to the other
+        ranks first, which run it in lockstep."""
 
     @torch.inference_mode()
     def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -125,7 +129,7 @@ class PagedModel:
         input_ids, positions, meta = self._prepare_inputs(batch)
         self._set_lora(batch)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         ends = [0] * len(chunks)
         offset = 0
@@ -155,7 +159,7 @@ class PagedModel:
         input_ids, positions, meta = self._prepare_inputs(batch)
         self._set_lora(batch)
         start = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         out: list[torch.Tensor] = [hidden] * len(chunks)
         offset = 0
@@ -164,6 +168,13 @@ class PagedModel:
             out[i] = hidden[offset : offset + n]
             offset += n
         return out
+
+    def _run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        if self.tp is not None:
+            self.tp.before_forward(input_ids, positions, meta)
+        return self.model(input_ids, positions, self.kv_caches, meta)
 
     def _set_lora(self, batch: Sequence[ScheduledChunk]) -> None:
         if self.lora is not None:

@@ -138,12 +138,17 @@ class Linear(nn.Module):
         """oneDNN-packed copy of weight, made by pack() once the weights are loaded."""
         self.lora: LoRASlots | None = None
         """The LoRA adapters' stacked weights (engine/lora/), when LoRA is enabled."""
+        self.reduce: Callable[[torch.Tensor], None] | None = None
+        """Tensor parallelism (engine/parallel.py): sums a row-parallel output over the ranks,
+        in place."""
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x, self.weight, self.packed, self.bias)
+        if self.reduce is not None:
+            self.reduce(y)
         return y if self.lora is None else self.lora.add_to(x, y)
 
 

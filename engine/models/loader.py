@@ -22,6 +22,7 @@ from pdserve.engine.config import SUPPORTED_DTYPES
 from pdserve.engine.models import gguf
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.registry import get_model_class
+from pdserve.engine.parallel import attach_all_reduce, check_tensor_parallel, local_arch, shard
 
 logger = logging.getLogger(__name__)
 
@@ -337,10 +338,16 @@ def _iter_checked_weights(
 
 
 def load_model(
-    model_dir: str, dtype: str = "auto", max_model_len: int | None = None
+    model_dir: str,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> tuple[CausalLM, ModelArch]:
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
-    with model.safetensors.index.json). Raises ValueError for anything missing or mismatched."""
+    with model.safetensors.index.json). Raises ValueError for anything missing or mismatched.
+    With tp_size > 1, rank tp_rank's share of it (engine/parallel.py; the arch returned is the
+    whole model's)."""
     start = time.perf_counter()
     model_dir = gguf.model_dir(model_dir)
     arch = parse_model_arch(model_dir)
@@ -348,9 +355,16 @@ def load_model(
     _check_sliding_window(arch, max_model_len, model_class)
     torch_dtype = resolve_dtype(dtype, arch)
     files = _weight_files(model_dir)
-    model = model_class(arch, torch_dtype)
-    for name, tensor in _iter_checked_weights(files, model.checkpoint_shapes(), model_dir):
-        model.load_weight(name, tensor)
+    check_tensor_parallel(arch, tp_size)
+    model = model_class(local_arch(arch, tp_size) if tp_size > 1 else arch, torch_dtype)
+    expected = model.checkpoint_shapes()
+    if tp_size > 1:
+        with torch.device("meta"):
+            expected = model_class(arch, torch_dtype).checkpoint_shapes()
+    for name, tensor in _iter_checked_weights(files, expected, model_dir):
+        model.load_weight(name, shard(name, tensor, arch, tp_rank, tp_size))
+    if tp_size > 1:
+        attach_all_reduce(model)
     model.eval()
     model.pack_weights()
     logger.info(

@@ -15,7 +15,13 @@ from pdserve.engine.arg_utils import (
     add_config_flags,
     config_field_docs,
 )
-from pdserve.engine.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from pdserve.engine.config import (
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 ENGINE_FLAGS = [
     "--model",
@@ -33,6 +39,8 @@ ENGINE_FLAGS = [
     "--scheduling-policy",
     "--enable-chunked-prefill",
     "--no-enable-chunked-prefill",
+    "--tensor-parallel-size",
+    "--pipeline-parallel-size",
     "--enable-lora",
     "--no-enable-lora",
     "--max-loras",
@@ -68,7 +76,14 @@ def test_the_flags_keep_vllms_names() -> None:
 def test_every_default_is_the_configs() -> None:
     args = EngineArgs(model="m")
     configs = args.to_configs()
-    assert configs == (ModelConfig(model="m"), CacheConfig(), SchedulerConfig(), None, None)
+    assert configs == (
+        ModelConfig(model="m"),
+        CacheConfig(),
+        SchedulerConfig(),
+        None,
+        None,
+        ParallelConfig(),
+    )
     assert (args.dtype, args.max_model_len, args.seed) == ("auto", None, 0)
     assert (args.block_size, args.num_blocks, args.kv_cache_memory) == (16, None, 4.0)
     assert (args.max_num_seqs, args.max_num_batched_tokens) == (128, 2048)

@@ -1,0 +1,229 @@
+"""Tensor parallelism over torch.distributed: gloo on CPU (NCCL is the GPU issue's), one
+process per rank, Megatron-style sharding of the Llama family.
+
+Rank 0 is the engine's own process: it schedules, samples and owns the requests; ranks
+1..N-1 are worker processes it spawns. Every rank holds its share of each decoder layer:
+
+- q/k/v and gate/up are column-parallel: a rank computes its heads (num_heads / N query
+  heads, num_kv_heads / N key/value heads, or one replicated key/value head when there are
+  fewer than N) and its slice of the MLP width;
+- o_proj and down_proj are row-parallel: a rank multiplies its slice of their input, and an
+  all-reduce sums the partial outputs (their bias is added once, by rank 0);
+- each rank's paged KV cache holds its own heads (same blocks, same block tables);
+- the embedding, norms and lm_head are replicated (only rank 0 computes logits).
+
+For each forward rank 0 broadcasts the flattened batch (token ids, positions, attention
+metadata) and every rank runs the same layers in lockstep; the all-reduces are the only other
+communication. Sampling never leaves rank 0. What differs from vLLM here: the embedding and
+lm_head are replicated, not vocab-parallel (simpler, and on CPU the lm_head is one GEMM).
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import multiprocessing
+import socket
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pdserve.engine.models.llama import CausalLM
+    from pdserve.engine.models.loader import ModelArch
+
+logger = logging.getLogger(__name__)
+
+_TIMEOUT = datetime.timedelta(seconds=120)
+"""How long a rank waits for the others in one collective before giving up (a dead peer)."""
+
+_COLUMN_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+_ROW_PARALLEL = {"o_proj", "down_proj"}
+_SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+
+
+def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
+    """ValueError unless arch can be split over tp_size ranks."""
+    if tp_size == 1:
+        return
+    if arch.architecture not in _SUPPORTED:
+        raise ValueError(
+            f"tensor parallelism supports {sorted(_SUPPORTED)}, not {arch.architecture}"
+        )
+    if arch.num_heads % tp_size:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide the {arch.num_heads} attention heads"
+        )
+    kv = arch.num_kv_heads
+    if kv % tp_size and tp_size % kv:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} and the {kv} key/value heads: one must divide "
+            "the other"
+        )
+    if arch.intermediate_size % tp_size:
+        raise ValueError(
+            f"--tensor-parallel-size {tp_size} does not divide the MLP width "
+            f"{arch.intermediate_size}"
+        )
+
+
+def local_arch(arch: ModelArch, tp_size: int) -> ModelArch:
+    """The shape one rank's layers have."""
+    return replace(
+        arch,
+        num_heads=arch.num_heads // tp_size,
+        num_kv_heads=max(arch.num_kv_heads // tp_size, 1),
+        intermediate_size=arch.intermediate_size // tp_size,
+    )
+
+
+def shard(
+    name: str, tensor: torch.Tensor, arch: ModelArch, rank: int, tp_size: int
+) -> torch.Tensor:
+    """Rank's part of the checkpoint tensor name (arch: the whole model's)."""
+    if tp_size == 1:
+        return tensor
+    module, _, leaf = name.rpartition(".")
+    proj = module.rpartition(".")[2]
+    hd = arch.head_dim
+    if proj == "q_proj":
+        rows = arch.num_heads // tp_size * hd
+        return tensor.narrow(0, rank * rows, rows)
+    if proj in ("k_proj", "v_proj"):
+        kv = arch.num_kv_heads
+        if kv >= tp_size:
+            rows = kv // tp_size * hd
+            return tensor.narrow(0, rank * rows, rows)
+        return tensor.narrow(0, rank * kv // tp_size * hd, hd)  # one head, shared by ranks
+    if proj in ("gate_proj", "up_proj"):
+        rows = arch.intermediate_size // tp_size
+        return tensor.narrow(0, rank * rows, rows)
+    if proj in _ROW_PARALLEL:
+        if leaf == "bias":
+            return tensor if rank == 0 else torch.zeros_like(tensor)
+        cols = tensor.shape[1] // tp_size
+        return tensor.narrow(1, rank * cols, cols)
+    return tensor  # embedding, norms, lm_head: replicated
+
+
+def attach_all_reduce(model: CausalLM, group: Any = None) -> None:
+    """Make every row-parallel projection sum its output over the ranks."""
+    from pdserve.engine.models.llama import Linear
+
+    def all_reduce(y: torch.Tensor) -> None:
+        dist.all_reduce(y, group=group)
+
+    for name, module in model.named_modules():
+        if isinstance(module, Linear) and name.rpartition(".")[2] in _ROW_PARALLEL:
+            module.reduce = all_reduce
+
+
+class TensorParallelGroup:
+    """Rank 0's side: spawns the workers, joins the process group, and broadcasts each
+    forward's inputs."""
+
+    def __init__(
+        self,
+        tp_size: int,
+        model_dir: str,
+        dtype: str,
+        max_model_len: int | None,
+        num_threads: int,
+    ) -> None:
+        if dist.is_initialized():
+            raise ValueError("one tensor-parallel engine per process (torch.distributed is in use)")
+        self.tp_size = tp_size
+        port = _free_port()
+        context = multiprocessing.get_context("spawn")
+        self.workers = [
+            context.Process(
+                target=_worker_main,
+                args=(rank, tp_size, port, model_dir, dtype, max_model_len, num_threads),
+                daemon=True,
+                name=f"pdserve-tp{rank}",
+            )
+            for rank in range(1, tp_size)
+        ]
+        for worker in self.workers:
+            worker.start()
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=tp_size,
+            timeout=_TIMEOUT,
+        )  # fmt: skip
+        self._closed = False
+        atexit.register(self.close)
+
+    def start_workers(self, num_blocks: int, block_size: int) -> None:
+        """Tell the workers the KV cache to allocate (known once rank 0 has sized it)."""
+        dist.broadcast_object_list([(num_blocks, block_size)], src=0)
+
+    def before_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> None:
+        """Every worker runs this forward too (its layers' all-reduces meet rank 0's)."""
+        dist.broadcast_object_list([(input_ids, positions, meta)], src=0)
+
+    def close(self) -> None:
+        """Stop the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            dist.broadcast_object_list([None], src=0)
+        except RuntimeError:
+            pass  # a worker is gone already
+        for worker in self.workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(
+    rank: int,
+    tp_size: int,
+    port: int,
+    model_dir: str,
+    dtype: str,
+    max_model_len: int | None,
+    num_threads: int,
+) -> None:
+    """A worker rank: load its shard, allocate its KV cache, run every forward rank 0
+    broadcasts until it broadcasts None."""
+    from pdserve.engine.attention import use_cpu_attention_ops
+    from pdserve.engine.model_runner import zeroed_lazily
+    from pdserve.engine.models.llama import use_cpu_fused_ops
+    from pdserve.engine.models.loader import load_model
+    from pdserve.kernels.cpu import cpu_ops
+
+    torch.set_num_threads(num_threads)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size,
+        timeout=_TIMEOUT,
+    )  # fmt: skip
+    model, arch = load_model(model_dir, dtype, max_model_len, tp_rank=rank, tp_size=tp_size)
+    ops = cpu_ops()
+    use_cpu_attention_ops(ops)
+    use_cpu_fused_ops(ops)
+    sizes: list[Any] = [None]
+    dist.broadcast_object_list(sizes, src=0)
+    num_blocks, block_size = sizes[0]
+    kv_cache = zeroed_lazily((arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)),
+                             model.dtype)  # fmt: skip
+    kv_caches = list(kv_cache.unbind(0))
+    while True:
+        item: list[Any] = [None]
+        dist.broadcast_object_list(item, src=0)
+        if item[0] is None:
+            break
+        input_ids, positions, meta = item[0]
+        with torch.inference_mode():
+            model(input_ids, positions, kv_caches, meta)
+    dist.destroy_process_group()
