@@ -54,11 +54,6 @@ def build_engine(
     """The node's engine (its configs validated: ValueError names a bad setting); sets the
     process's torch threads to config.num_threads."""
     configs = engine_args.to_configs()
-    if configs.parallel_config.tensor_parallel_size > 1:
-        raise ValueError(
-            "--tensor-parallel-size > 1 is offline-only in this version (LLM, pdserve generate): "
-            "the KV transfer does not move sharded heads yet"
-        )
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     return LLMEngine(

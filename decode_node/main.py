@@ -44,7 +44,7 @@ class DecodeRole(NodeRole):
     def servicer(self, parts: NodeParts) -> DecodeServicer:
         assert self.receiver is not None  # start() ran
         engine = parts.engine_loop.engine
-        layout = kv_layout(parts.layout_model, engine.kv_cache, engine.cache_config.block_size)
+        layout = kv_layout(parts.layout_model, engine.kv_blocks, engine.cache_config.block_size)
         self.prefill_client = PrefillClient(
             parts.engine_loop,
             self.receiver,

@@ -35,7 +35,6 @@ from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.outputs import RemotePrefill, SampledTokens
 from pdserve.engine.utils import cdiv
-from pdserve.kvtransfer.connector import scatter_blocks
 from pdserve.kvtransfer.transport import KVReceiver, KVTransferError
 from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
 from pdserve.v1 import node_pb2, node_pb2_grpc
@@ -195,7 +194,7 @@ class PrefillClient:
             data = payload.copy()  # the transport reuses its buffer once this returns
             # Written on the engine thread, between steps: queued before the request's join
             # (or its abort), so every block is in place before the request computes or frees.
-            engine_loop.submit(lambda: scatter_blocks(engine_loop.engine.kv_cache, target, data))
+            engine_loop.submit(lambda: engine_loop.engine.kv_blocks.scatter(target, data))
             arrivals.note(header)
 
         lora = tracked.lora

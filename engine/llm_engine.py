@@ -41,7 +41,7 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
     StepOutput,
 )
-from pdserve.engine.parallel import TensorParallelGroup, check_tensor_parallel
+from pdserve.engine.parallel import KVBlockIO, TensorParallelGroup, check_tensor_parallel
 from pdserve.engine.platform import tune_allocator
 from pdserve.engine.pooling import POOLING_TYPES, pool
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
@@ -76,8 +76,9 @@ class EngineKVConnector(Protocol):
     itself does no I/O. (The decode role needs no connector: its remote prefills come out of
     step() in StepOutput, and received blocks are written on the engine thread.)"""
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        """Called once by the engine's constructor with the KV cache it allocated."""
+    def register_kv_cache(self, kv_cache: KVBlockIO, block_size: int) -> None:
+        """Called once by the engine's constructor with the KV cache it allocated (as whole
+        blocks: under tensor parallelism their heads are on several ranks)."""
 
     def after_execute(self, output: SchedulerOutput) -> None:
         """The step's KV is written; snapshot and push the blocks that became final. Runs
@@ -108,8 +109,6 @@ class LLMEngine:
         self.tp: TensorParallelGroup | None = None
         """Tensor parallelism's workers and process group (None at tensor_parallel_size 1)."""
         if tp_size > 1:
-            if kv_connector is not None:
-                raise ValueError("tensor parallelism is not supported on prefill nodes yet")
             if lora_config is not None:
                 raise ValueError("LoRA with tensor parallelism is not supported yet")
             check_tensor_parallel(parse_model_arch(gguf.model_dir(model_config.model)), tp_size)
@@ -154,10 +153,11 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.start_workers(self.num_blocks, self.cache_config.block_size)
             self.runner.tp = self.tp
+        self._kv_blocks = KVBlockIO(self.runner.kv_cache, self.tp, arch.num_kv_heads)
         self.stats = EngineStats()
         self.kv_connector = kv_connector
         if kv_connector is not None:
-            kv_connector.register_kv_cache(self.runner.kv_cache, self.cache_config.block_size)
+            kv_connector.register_kv_cache(self._kv_blocks, self.cache_config.block_size)
         self._owner_thread: int | None = None
         self.speculator = self._speculator(speculative_config)
         self._seed_rng = random.Random(model_config.seed)
@@ -234,6 +234,13 @@ class LLMEngine:
         into it (received KV blocks) is a change of engine state: owner thread only."""
         self._check_thread()
         return self.runner.kv_cache
+
+    @property
+    def kv_blocks(self) -> KVBlockIO:
+        """The KV cache as whole blocks with every head (what KV transfers carry), under any
+        tensor parallelism. Gathering or scattering blocks is engine work: owner thread only."""
+        self._check_thread()
+        return self._kv_blocks
 
     def load(self) -> EngineLoad:
         """The engine's load, from any thread."""

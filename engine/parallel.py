@@ -28,6 +28,7 @@ import socket
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -164,6 +165,32 @@ class TensorParallelGroup:
         """Every worker runs this forward too (its layers' all-reduces meet rank 0's)."""
         dist.broadcast_object_list([(input_ids, positions, meta)], src=0)
 
+    def heads_of(self, rank: int, num_kv_heads: int) -> list[int]:
+        """The key/value heads rank holds (shard())."""
+        return _heads_of(rank, self.tp_size, num_kv_heads)
+
+    def gather_heads(
+        self, local: torch.Tensor, block_ids: list[int], num_kv_heads: int
+    ) -> torch.Tensor:
+        """Every rank's heads of the blocks ([layers, n, 2, heads, bs, dim]), rank 0's local
+        part given: the whole blocks, each head once."""
+        dist.broadcast_object_list([("gather", block_ids)], src=0)
+        parts = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.gather(local, gather_list=parts, dst=0)
+        whole = torch.empty(
+            (local.shape[0], local.shape[1], 2, num_kv_heads, *local.shape[4:]), dtype=local.dtype
+        )
+        for rank, part in enumerate(parts):
+            whole[:, :, :, self.heads_of(rank, num_kv_heads)] = part
+        return whole
+
+    def scatter_heads(
+        self, whole: torch.Tensor, block_ids: list[int], num_kv_heads: int
+    ) -> torch.Tensor:
+        """Send each worker its heads of whole blocks to write; rank 0's part returned."""
+        dist.broadcast_object_list([("scatter", block_ids, whole)], src=0)
+        return whole[:, :, :, self.heads_of(0, num_kv_heads)]
+
     def close(self) -> None:
         """Stop the workers (idempotent)."""
         if self._closed:
@@ -178,6 +205,44 @@ class TensorParallelGroup:
             if worker.is_alive():
                 worker.kill()
         dist.destroy_process_group()
+
+
+def _heads_of(rank: int, tp_size: int, num_kv_heads: int) -> list[int]:
+    if num_kv_heads >= tp_size:
+        per = num_kv_heads // tp_size
+        return list(range(rank * per, (rank + 1) * per))
+    return [rank * num_kv_heads // tp_size]
+
+
+class KVBlockIO:
+    """The paged KV cache as the wire carries it: whole blocks with every key/value head, read
+    (gather) and written (scatter) as bytes of [layers, n, 2, heads, block_size, head_dim],
+    whatever the tensor parallelism (the heads of other ranks travel through the group).
+    Engine thread only, between steps (the collectives keep pace with the forwards)."""
+
+    def __init__(
+        self, kv_cache: torch.Tensor, tp: TensorParallelGroup | None = None, num_kv_heads: int = 0
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.tp = tp
+        self.num_layers, _, _, local_heads, self.block_size, self.head_dim = kv_cache.shape
+        self.num_kv_heads = num_kv_heads if tp is not None else local_heads
+        self.dtype = kv_cache.dtype
+
+    def gather(self, block_ids: list[int]) -> np.ndarray:
+        index = torch.tensor(block_ids, dtype=torch.long)
+        blocks = self.kv_cache.index_select(1, index)
+        if self.tp is not None:
+            blocks = self.tp.gather_heads(blocks, block_ids, self.num_kv_heads)
+        return blocks.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+    def scatter(self, block_ids: list[int], payload: np.ndarray) -> None:
+        shape = (self.num_layers, len(block_ids), 2, self.num_kv_heads, self.block_size,
+                 self.head_dim)  # fmt: skip
+        blocks = torch.from_numpy(payload).view(self.dtype).view(shape)
+        if self.tp is not None:
+            blocks = self.tp.scatter_heads(blocks, block_ids, self.num_kv_heads)
+        self.kv_cache.index_copy_(1, torch.tensor(block_ids, dtype=torch.long), blocks)
 
 
 def _free_port() -> int:
@@ -209,6 +274,7 @@ def _worker_main(
         timeout=_TIMEOUT,
     )  # fmt: skip
     model, arch = load_model(model_dir, dtype, max_model_len, tp_rank=rank, tp_size=tp_size)
+    full_kv_heads = arch.num_kv_heads
     ops = cpu_ops()
     use_cpu_attention_ops(ops)
     use_cpu_fused_ops(ops)
@@ -218,12 +284,21 @@ def _worker_main(
     kv_cache = zeroed_lazily((arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)),
                              model.dtype)  # fmt: skip
     kv_caches = list(kv_cache.unbind(0))
+    heads = _heads_of(rank, tp_size, full_kv_heads)
     while True:
         item: list[Any] = [None]
         dist.broadcast_object_list(item, src=0)
-        if item[0] is None:
+        message = item[0]
+        if message is None:
             break
-        input_ids, positions, meta = item[0]
-        with torch.inference_mode():
-            model(input_ids, positions, kv_caches, meta)
+        if message[0] == "gather":  # the KV of blocks leaving for a decode node
+            index = torch.tensor(message[1], dtype=torch.long)
+            dist.gather(kv_cache.index_select(1, index), dst=0)
+        elif message[0] == "scatter":  # the KV of blocks arriving from a prefill node
+            index = torch.tensor(message[1], dtype=torch.long)
+            kv_cache.index_copy_(1, index, message[2][:, :, :, heads])
+        else:
+            input_ids, positions, meta = message
+            with torch.inference_mode():
+                model(input_ids, positions, kv_caches, meta)
     dist.destroy_process_group()

@@ -25,21 +25,23 @@ import numpy as np
 import torch
 
 from pdserve.engine.outputs import SchedulerOutput
+from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.transport import KVSender, TransferStats
 from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader
 
 
-def kv_layout(model: str, kv_cache: torch.Tensor, block_size: int) -> LayoutSignature:
-    """The layout signature of an engine's KV tensor [layers, blocks, 2, kv_heads, bs, dim]."""
-    num_layers, _, _, num_kv_heads, bs, head_dim = kv_cache.shape
-    assert bs == block_size
+def kv_layout(model: str, kv_cache: torch.Tensor | KVBlockIO, block_size: int) -> LayoutSignature:
+    """The layout signature of an engine's KV (a tensor [layers, blocks, 2, kv_heads, bs, dim],
+    or the engine's KVBlockIO: every head, however many ranks hold them)."""
+    kv = kv_cache if isinstance(kv_cache, KVBlockIO) else KVBlockIO(kv_cache)
+    assert kv.block_size == block_size
     return LayoutSignature(
         model=model,
-        dtype=str(kv_cache.dtype).removeprefix("torch."),
-        num_layers=num_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
+        dtype=str(kv.dtype).removeprefix("torch."),
+        num_layers=kv.num_layers,
+        num_kv_heads=kv.num_kv_heads,
+        head_dim=kv.head_dim,
         block_size=block_size,
     )
 
@@ -92,13 +94,13 @@ class KVPushConnector:
         self.model = model
         self.sender = sender
         self.loop = loop
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: KVBlockIO | None = None
         self._layout: LayoutSignature | None = None
         self._pushes: dict[str, _Push] = {}  # guarded by the GIL: engine thread + event loop
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        self.kv_cache = kv_cache
-        self._layout = kv_layout(self.model, kv_cache, block_size)
+    def register_kv_cache(self, kv_cache: torch.Tensor | KVBlockIO, block_size: int) -> None:
+        self.kv_cache = kv_cache if isinstance(kv_cache, KVBlockIO) else KVBlockIO(kv_cache)
+        self._layout = kv_layout(self.model, self.kv_cache, block_size)
 
     @property
     def layout(self) -> LayoutSignature:
@@ -144,7 +146,7 @@ class KVPushConnector:
 
     def _send(self, push: _Push, block_ids: list[int]) -> None:
         assert self.kv_cache is not None  # registered by the engine's constructor
-        payload = gather_blocks(self.kv_cache, block_ids)
+        payload = self.kv_cache.gather(block_ids)
         header = TransferHeader(
             transfer_id=push.target.transfer_id,
             layout=self.layout.with_adapter(push.target.lora_name),

@@ -270,9 +270,10 @@ def _node_serving(address: str, tls: TLSFiles | None) -> bool:
 def wait_healthy(
     url: str, children: list[Child], timeout_s: float, tls: TLSFiles | None = None
 ) -> None:
-    """Until the gateway's /health is 200 and every node reports SERVING (gRPC health; over
-    mutual TLS when tls is given). An https url is checked without verifying the gateway's
-    certificate: it is our own child, on the address we gave it."""
+    """Until every node reports SERVING (gRPC health; over mutual TLS when tls is given) and
+    the gateway's /health is 200 with status "ok": it has seen every node accepting (so the
+    first requests already find the prefill tier). An https url is checked without verifying
+    the gateway's certificate: it is our own child, on the address we gave it."""
     context = ssl._create_unverified_context() if url.startswith("https:") else None
     deadline = time.monotonic() + timeout_s
     pending = [c for c in children if c.name != "gateway"]
@@ -284,7 +285,7 @@ def wait_healthy(
         if not pending:
             try:
                 with urllib.request.urlopen(url, timeout=2.0, context=context) as response:
-                    if response.status == 200:
+                    if response.status == 200 and json.load(response).get("status") == "ok":
                         return
             except (urllib.error.URLError, OSError):
                 pass
