@@ -54,6 +54,11 @@ def build_engine(
     """The node's engine (its configs validated: ValueError names a bad setting); sets the
     process's torch threads to config.num_threads."""
     configs = engine_args.to_configs()
+    if configs.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError(
+            "--pipeline-parallel-size > 1 is offline-only yet (LLM, pdserve generate): the KV "
+            "transfer does not gather layers from stages"
+        )
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     return LLMEngine(

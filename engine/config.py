@@ -113,14 +113,19 @@ class ParallelConfig:
     """Ranks each layer is split over (torch.distributed, gloo on CPU): Megatron-style
     column/row-parallel projections, heads split, one process per rank."""
     pipeline_parallel_size: int = 1
-    """Stages the layers are split over (only 1 is supported yet)."""
+    """Stages the layers are split over, one process each (offline only yet, and not with
+    tensor parallelism)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.pipeline_parallel_size != 1:
+        if self.pipeline_parallel_size < 1:
             raise ValueError(
-                f"pipeline_parallel_size {self.pipeline_parallel_size}: only 1 is supported yet"
+                f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError(
+                "tensor_parallel_size and pipeline_parallel_size > 1 together are not supported yet"
             )
 
 

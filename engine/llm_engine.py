@@ -41,7 +41,12 @@ from pdserve.engine.outputs import (
     SchedulerOutput,
     StepOutput,
 )
-from pdserve.engine.parallel import KVBlockIO, TensorParallelGroup, check_tensor_parallel
+from pdserve.engine.parallel import (
+    KVBlockIO,
+    TensorParallelGroup,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+)
 from pdserve.engine.platform import tune_allocator
 from pdserve.engine.pooling import POOLING_TYPES, pool
 from pdserve.engine.request import Request, RequestStatus, SamplingParams
@@ -106,22 +111,29 @@ class LLMEngine:
         tune_allocator()
         self.parallel_config = parallel_config or ParallelConfig()
         tp_size = self.parallel_config.tensor_parallel_size
+        pp_size = self.parallel_config.pipeline_parallel_size
         self.tp: TensorParallelGroup | None = None
-        """Tensor parallelism's workers and process group (None at tensor_parallel_size 1)."""
-        if tp_size > 1:
+        """Tensor or pipeline parallelism's workers and process group (None in one process)."""
+        if tp_size > 1 or pp_size > 1:
             if lora_config is not None:
-                raise ValueError("LoRA with tensor parallelism is not supported yet")
-            check_tensor_parallel(parse_model_arch(gguf.model_dir(model_config.model)), tp_size)
+                raise ValueError("LoRA with tensor or pipeline parallelism is not supported yet")
+            if pp_size > 1 and kv_connector is not None:
+                raise ValueError("pipeline parallelism is offline-only yet")
+            whole = parse_model_arch(gguf.model_dir(model_config.model))
+            check_tensor_parallel(whole, tp_size)
+            check_pipeline_parallel(whole, pp_size)
             self.tp = TensorParallelGroup(
                 tp_size,
                 model_config.model,
                 model_config.dtype,
                 model_config.max_model_len,
                 torch.get_num_threads(),
+                pp_size,
             )
         model, arch = load_model(
-            model_config.model, model_config.dtype, model_config.max_model_len, 0, tp_size
-        )
+            model_config.model, model_config.dtype, model_config.max_model_len, 0, tp_size, 0,
+            pp_size,
+        )  # fmt: skip
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype
         self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer or model_config.model)

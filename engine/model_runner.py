@@ -101,7 +101,7 @@ class PagedModel:
         self.block_size = block_size
         # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim] (engine/attention.py)
         self.kv_cache = zeroed_lazily(
-            (arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype
+            (model.arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype
         )
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.forward_time_s = 0.0

@@ -71,6 +71,78 @@ def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
         )
 
 
+def check_pipeline_parallel(arch: ModelArch, pp_size: int) -> None:
+    """ValueError unless arch's layers can be split into pp_size stages."""
+    if pp_size == 1:
+        return
+    if arch.architecture not in _SUPPORTED:
+        raise ValueError(
+            f"pipeline parallelism supports {sorted(_SUPPORTED)}, not {arch.architecture}"
+        )
+    if pp_size > arch.num_layers:
+        raise ValueError(
+            f"--pipeline-parallel-size {pp_size} exceeds the model's {arch.num_layers} layers"
+        )
+
+
+def stage_layers(num_layers: int, rank: int, pp_size: int) -> range:
+    """The layers stage rank runs: consecutive, the first stages one more when uneven."""
+    base, extra = divmod(num_layers, pp_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def stage_arch(arch: ModelArch, rank: int, pp_size: int) -> ModelArch:
+    return replace(arch, num_layers=len(stage_layers(arch.num_layers, rank, pp_size)))
+
+
+def stage_weight_name(name: str, layers: range) -> str | None:
+    """The name of checkpoint tensor name in a stage that runs layers (renumbered from 0),
+    or None if it belongs to another stage. Embedding, norm and lm_head: every stage."""
+    prefix = "model.layers."
+    if not name.startswith(prefix):
+        return name
+    index, _, rest = name[len(prefix) :].partition(".")
+    i = int(index)
+    return f"{prefix}{i - layers.start}.{rest}" if i in layers else None
+
+
+class PipelineStage:
+    """One stage's place in the pipeline: stage 0 (the engine's process) embeds, runs its
+    layers and hands the residual stream on; each next stage takes it, runs its layers and
+    hands it on; the last hands it back to stage 0, which applies the final norm and samples.
+    One forward at a time (no micro-batches): on these CPUs it is for correctness."""
+
+    def __init__(self, rank: int, pp_size: int) -> None:
+        self.rank = rank
+        self.pp_size = pp_size
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def receive(
+        self, rows: int, hidden: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = torch.empty(rows, hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
+        dist.recv(x, src=self.rank - 1)
+        dist.recv(residual, src=self.rank - 1)
+        return x, residual
+
+    def pass_on(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage 0: the last stage's output; other stages: (x, residual), already sent on."""
+        after = (self.rank + 1) % self.pp_size
+        dist.send(x.contiguous(), dst=after)
+        dist.send(residual.contiguous(), dst=after)
+        if not self.is_first:
+            return x, residual
+        last = self.pp_size - 1
+        out_x, out_residual = torch.empty_like(x), torch.empty_like(residual)
+        dist.recv(out_x, src=last)
+        dist.recv(out_residual, src=last)
+        return out_x, out_residual
+
+
 def local_arch(arch: ModelArch, tp_size: int) -> ModelArch:
     """The shape one rank's layers have."""
     return replace(
@@ -133,25 +205,30 @@ class TensorParallelGroup:
         dtype: str,
         max_model_len: int | None,
         num_threads: int,
+        pp_size: int = 1,
     ) -> None:
         if dist.is_initialized():
-            raise ValueError("one tensor-parallel engine per process (torch.distributed is in use)")
+            raise ValueError("one parallel engine per process (torch.distributed is in use)")
+        if tp_size > 1 and pp_size > 1:
+            raise ValueError("tensor and pipeline parallelism together are not supported yet")
         self.tp_size = tp_size
+        self.pp_size = pp_size
+        world = tp_size * pp_size
         port = _free_port()
         context = multiprocessing.get_context("spawn")
         self.workers = [
             context.Process(
                 target=_worker_main,
-                args=(rank, tp_size, port, model_dir, dtype, max_model_len, num_threads),
+                args=(rank, tp_size, port, model_dir, dtype, max_model_len, num_threads, pp_size),
                 daemon=True,
-                name=f"pdserve-tp{rank}",
+                name=f"pdserve-rank{rank}",
             )
-            for rank in range(1, tp_size)
+            for rank in range(1, world)
         ]
         for worker in self.workers:
             worker.start()
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=tp_size,
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
             timeout=_TIMEOUT,
         )  # fmt: skip
         self._closed = False
@@ -259,9 +336,10 @@ def _worker_main(
     dtype: str,
     max_model_len: int | None,
     num_threads: int,
+    pp_size: int = 1,
 ) -> None:
-    """A worker rank: load its shard, allocate its KV cache, run every forward rank 0
-    broadcasts until it broadcasts None."""
+    """A worker rank: load its shard (or stage), allocate its KV cache, run every forward rank
+    0 broadcasts until it broadcasts None."""
     from pdserve.engine.attention import use_cpu_attention_ops
     from pdserve.engine.model_runner import zeroed_lazily
     from pdserve.engine.models.llama import use_cpu_fused_ops
@@ -270,10 +348,13 @@ def _worker_main(
 
     torch.set_num_threads(num_threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size,
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size * pp_size,
         timeout=_TIMEOUT,
     )  # fmt: skip
-    model, arch = load_model(model_dir, dtype, max_model_len, tp_rank=rank, tp_size=tp_size)
+    if pp_size > 1:
+        model, arch = load_model(model_dir, dtype, max_model_len, pp_rank=rank, pp_size=pp_size)
+    else:
+        model, arch = load_model(model_dir, dtype, max_model_len, tp_rank=rank, tp_size=tp_size)
     full_kv_heads = arch.num_kv_heads
     ops = cpu_ops()
     use_cpu_attention_ops(ops)
@@ -281,7 +362,7 @@ def _worker_main(
     sizes: list[Any] = [None]
     dist.broadcast_object_list(sizes, src=0)
     num_blocks, block_size = sizes[0]
-    kv_cache = zeroed_lazily((arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)),
+    kv_cache = zeroed_lazily((model.arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)),
                              model.dtype)  # fmt: skip
     kv_caches = list(kv_cache.unbind(0))
     heads = _heads_of(rank, tp_size, full_kv_heads)

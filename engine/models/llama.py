@@ -29,6 +29,7 @@ from pdserve.engine.utils import cdiv
 if TYPE_CHECKING:
     from pdserve.engine.lora.layers import LoRASlots
     from pdserve.engine.models.loader import ModelArch
+    from pdserve.engine.parallel import PipelineStage
 
 # Checkpoint projection name -> (our fused projection, index of its rows block).
 _FUSED = {
@@ -346,6 +347,9 @@ class CausalLM(nn.Module):
     model: nn.Module
     lm_head: Linear | None
     _packed_tied_head: torch.Tensor | None = None
+    stage: PipelineStage | None = None
+    """Pipeline parallelism (engine/parallel.py): this process runs only its stage's layers,
+    taking the residual stream from the previous stage and handing it on."""
 
     def forward(
         self,
@@ -448,8 +452,15 @@ class LlamaForCausalLM(CausalLM):
         num_tokens = input_ids.shape[0]
         input_ids, positions = self._padded(input_ids, positions)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        x = F.embedding(input_ids, self.model.embed_tokens.weight)
-        residual = None
+        stage = self.stage
+        residual: torch.Tensor | None = None
+        if stage is None or stage.is_first:
+            x = F.embedding(input_ids, self.model.embed_tokens.weight)
+        else:  # the previous stage's residual stream
+            x, residual = stage.receive(input_ids.shape[0], self.arch.hidden_size, self.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if stage is not None:
+            assert residual is not None  # every stage has layers
+            x, residual = stage.pass_on(x, residual)
         return self._final_norm(x, residual, num_tokens)

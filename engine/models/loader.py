@@ -22,7 +22,17 @@ from pdserve.engine.config import SUPPORTED_DTYPES
 from pdserve.engine.models import gguf
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.registry import get_model_class
-from pdserve.engine.parallel import attach_all_reduce, check_tensor_parallel, local_arch, shard
+from pdserve.engine.parallel import (
+    PipelineStage,
+    attach_all_reduce,
+    check_pipeline_parallel,
+    check_tensor_parallel,
+    local_arch,
+    shard,
+    stage_arch,
+    stage_layers,
+    stage_weight_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -343,11 +353,14 @@ def load_model(
     max_model_len: int | None = None,
     tp_rank: int = 0,
     tp_size: int = 1,
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> tuple[CausalLM, ModelArch]:
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
     with model.safetensors.index.json). Raises ValueError for anything missing or mismatched.
     With tp_size > 1, rank tp_rank's share of it (engine/parallel.py; the arch returned is the
-    whole model's)."""
+    whole model's). With pp_size > 1, stage pp_rank's layers (and the embedding, final norm
+    and lm_head, which every stage keeps)."""
     start = time.perf_counter()
     model_dir = gguf.model_dir(model_dir)
     arch = parse_model_arch(model_dir)
@@ -356,13 +369,22 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, arch)
     files = _weight_files(model_dir)
     check_tensor_parallel(arch, tp_size)
-    model = model_class(local_arch(arch, tp_size) if tp_size > 1 else arch, torch_dtype)
+    check_pipeline_parallel(arch, pp_size)
+    layers = stage_layers(arch.num_layers, pp_rank, pp_size)
+    if pp_size > 1:
+        model = model_class(stage_arch(arch, pp_rank, pp_size), torch_dtype)
+        model.stage = PipelineStage(pp_rank, pp_size)
+    else:
+        model = model_class(local_arch(arch, tp_size) if tp_size > 1 else arch, torch_dtype)
     expected = model.checkpoint_shapes()
-    if tp_size > 1:
+    if tp_size > 1 or pp_size > 1:
         with torch.device("meta"):
-            expected = model_class(arch, torch_dtype).checkpoint_shapes()
+            whole = model_class(arch, torch_dtype).checkpoint_shapes()
+        expected = {n: s for n, s in whole.items() if stage_weight_name(n, layers) is not None}
     for name, tensor in _iter_checked_weights(files, expected, model_dir):
-        model.load_weight(name, shard(name, tensor, arch, tp_rank, tp_size))
+        local_name = stage_weight_name(name, layers)
+        assert local_name is not None
+        model.load_weight(local_name, shard(name, tensor, arch, tp_rank, tp_size))
     if tp_size > 1:
         attach_all_reduce(model)
     model.eval()

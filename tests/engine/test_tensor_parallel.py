@@ -1,8 +1,9 @@
-"""Tensor parallelism (gloo, one process per rank, one thread each) gives the single-process
-engine's greedy fp32 output token for token: Llama at TP 2 and TP 4 (four query heads, two
-key/value heads: at TP 4 each rank shares one key/value head with another), Qwen2 (q/k/v
-biases) at TP 2, chunked prefill and continuous batching; a size that does not divide the
-heads is a ValueError naming them."""
+"""Tensor and pipeline parallelism (gloo, one process per rank, one thread each) give the
+single-process engine's greedy fp32 output token for token: Llama at TP 2 and TP 4 (four
+query heads, two key/value heads: at TP 4 each rank shares one key/value head with another),
+Qwen2 (q/k/v biases) at TP 2; Llama at PP 2 and PP 3 (four layers: stages of 2, 1 and 1),
+Qwen2 at PP 2; chunked prefill and continuous batching. Sizes that do not fit the model are
+ValueErrors naming why."""
 
 from __future__ import annotations
 
@@ -40,14 +41,28 @@ def generate(model: str, **kwargs) -> list[list[int]]:
         llm.engine.close()
 
 
-@pytest.mark.parametrize(("arch", "tp"), [("llama", 2), ("llama", 4), ("qwen2", 2)])
-def test_tensor_parallel_equals_one_process(tiny_model_dir, one_thread, arch, tp) -> None:
+@pytest.mark.parametrize(
+    ("arch", "kwargs"),
+    [
+        ("llama", {"tensor_parallel_size": 2}),
+        ("llama", {"tensor_parallel_size": 4}),
+        ("qwen2", {"tensor_parallel_size": 2}),
+        ("llama", {"pipeline_parallel_size": 2}),
+        ("llama", {"pipeline_parallel_size": 3}),
+        ("qwen2", {"pipeline_parallel_size": 2}),
+    ],
+    ids=["llama-tp2", "llama-tp4", "qwen2-tp2", "llama-pp2", "llama-pp3", "qwen2-pp2"],
+)
+def test_parallel_equals_one_process(tiny_model_dir, one_thread, arch, kwargs) -> None:
     model = tiny_model_dir(arch)
-    assert generate(model, tensor_parallel_size=tp) == generate(model)
+    assert generate(model, **kwargs) == generate(model)
 
 
 def test_sizes_that_do_not_divide_the_heads_are_value_errors(tiny_llama) -> None:
     with pytest.raises(ValueError, match="does not divide the 4 attention heads"):
         LLM(model=tiny_llama, dtype="float32", num_blocks=16, tensor_parallel_size=3)
-    with pytest.raises(ValueError, match="pipeline_parallel_size"):
-        LLM(model=tiny_llama, dtype="float32", num_blocks=16, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="exceeds the model's 4 layers"):
+        LLM(model=tiny_llama, dtype="float32", num_blocks=16, pipeline_parallel_size=5)
+    with pytest.raises(ValueError, match="together"):
+        LLM(model=tiny_llama, dtype="float32", num_blocks=16, tensor_parallel_size=2,
+            pipeline_parallel_size=2)  # fmt: skip
