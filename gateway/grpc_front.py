@@ -148,6 +148,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             gateway_pb2.ModelInfo(id=name, max_model_len=max_model_len)
             for name in self._ctx.model_names
         ]
+        models += [
+            gateway_pb2.ModelInfo(
+                id=lora.name, max_model_len=max_model_len, parent=self._ctx.model_name
+            )
+            for lora in self._ctx.loras.adapters
+        ]
         return gateway_pb2.ListModelsResponse(models=models)
 
 

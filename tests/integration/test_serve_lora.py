@@ -10,11 +10,13 @@ import random
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import httpx
 import openai
 import pytest
 
 from pdserve.engine import LLM, LoRARequest, SamplingParams
+from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.stack import BLOCK, start_stack
 from tests.lora_adapters import make_adapter
 
@@ -107,9 +109,14 @@ def test_adapters_and_base_interleaved_equal_offline(client, stack, offline, ada
     stack.wait_all_blocks_free()
 
 
-def test_models_list_adapters_and_unknown_is_404(client, adapter_dirs):
+def test_models_list_adapters_and_unknown_is_404(client, stack, adapter_dirs):
     cards = {m.id: m for m in client.models.list().data}
     base = next(iter(cards))
+    with grpc.insecure_channel(stack.grpc_address) as channel:
+        listed = gateway_pb2_grpc.GatewayStub(channel).ListModels(
+            gateway_pb2.ListModelsRequest(), timeout=TIMEOUT_S
+        )
+    assert [(m.id, m.parent) for m in listed.models] == [(base, ""), ("sql", base), ("poem", base)]
     assert cards["sql"].parent == base and cards["sql"].root == adapter_dirs["sql"]  # type: ignore[attr-defined]
     assert cards["poem"].parent == base  # type: ignore[attr-defined]
     with pytest.raises(openai.NotFoundError):

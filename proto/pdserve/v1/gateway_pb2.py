@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x82\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06promptB\x04\n\x02_n\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\x9f\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/gateway.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x82\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0e\n\x01n\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\ncache_salt\x18\x08 \x01(\tB\x08\n\x06promptB\x04\n\x02_n\"\xc4\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12*\n\x08logprobs\x18\x05 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\x15\n\rprompt_tokens\x18\x08 \x01(\x05\x12\x15\n\rcached_tokens\x18\t \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\n \x01(\x05\x12\x31\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\">\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x0e\n\x06parent\x18\x03 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\x9f\x01\n\x07Gateway\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -45,9 +45,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTMODELSREQUEST']._serialized_start=783
   _globals['_LISTMODELSREQUEST']._serialized_end=802
   _globals['_MODELINFO']._serialized_start=804
-  _globals['_MODELINFO']._serialized_end=850
-  _globals['_LISTMODELSRESPONSE']._serialized_start=852
-  _globals['_LISTMODELSRESPONSE']._serialized_end=911
-  _globals['_GATEWAY']._serialized_start=914
-  _globals['_GATEWAY']._serialized_end=1073
+  _globals['_MODELINFO']._serialized_end=866
+  _globals['_LISTMODELSRESPONSE']._serialized_start=868
+  _globals['_LISTMODELSRESPONSE']._serialized_end=927
+  _globals['_GATEWAY']._serialized_start=930
+  _globals['_GATEWAY']._serialized_end=1089
 # @@protoc_insertion_point(module_scope)

@@ -78,12 +78,14 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "max_model_len")
+    __slots__ = ("id", "max_model_len", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
