@@ -174,6 +174,7 @@ class EngineArgs:
     dtype: str = ModelConfig.dtype
     max_model_len: int | None = ModelConfig.max_model_len
     seed: int = ModelConfig.seed
+    attention_backend: str = ModelConfig.attention_backend
     block_size: int = CacheConfig.block_size
     num_blocks: int | None = CacheConfig.num_blocks
     kv_cache_memory: float = CacheConfig.kv_cache_memory
@@ -238,6 +239,7 @@ class EngineArgs:
                 dtype=self.dtype,
                 max_model_len=self.max_model_len,
                 seed=self.seed,
+                attention_backend=self.attention_backend,
             ),
             CacheConfig(
                 block_size=self.block_size,
@@ -310,6 +312,7 @@ def _speculative_json(value: SpeculativeConfig | Mapping[str, Any]) -> str:
 
 _FLAG_KWARGS: dict[str, dict[str, Any]] = {
     "dtype": {"choices": ("auto", *SUPPORTED_DTYPES)},
+    "attention_backend": {"choices": ("auto", "torch", "cpu", "triton")},
     "speculative_config": {"type": _speculative_config_flag, "metavar": "JSON"},
 }
 """argparse settings a field's type hint does not give."""

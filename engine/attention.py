@@ -10,7 +10,7 @@ stride view ``kv_cache.transpose(2, 3)`` (``[num_blocks, 2, block_size, kv_heads
 
 The batch is flattened: tokens of all requests in one ``[num_tokens, ...]`` tensor, decodes
 (one query token each) first, then the multi-token requests (prefill chunks, speculative
-verification). CPU path with the compiled kernels (use_cpu_attention_ops): one decode kernel
+verification). CPU path with the compiled kernels (CpuAttention): one decode kernel
 call for the decodes, one prefill kernel call for every multi-token request (both read K/V
 straight out of the paged cache). Pure-torch path (the reference, and the fallback without a
 compiler): decodes batched into grouped matmuls over the padded contexts, each multi-token
@@ -28,7 +28,7 @@ tile's window. With window None nothing of this runs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from types import ModuleType
 from typing import NamedTuple
@@ -81,6 +81,8 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
     """The multi-token requests, in batch order after the decodes."""
     block_size: int
+    backend: AttentionBackend = field(default_factory=lambda: TorchAttention())
+    """How the layers attend (the runner's choice; pure torch by default)."""
 
     # Derived once per step and shared by every layer.
 
@@ -136,30 +138,133 @@ def _bias(mask: torch.Tensor) -> torch.Tensor:
     return bias.masked_fill_(~mask, float("-inf"))
 
 
-_decode_kernel: Callable[..., torch.Tensor] | None = None
-_prefill_kernel: Callable[..., None] | None = None
-_store_kv: Callable[..., None] | None = None
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The compiled CPU kernels paged_attention routes through (pdserve_kernels/cpu); None
+    for any of them takes the pure-torch path. decode: paged_decode_attention_out(q [B, Hq,
+    D], kv_cache, block_tables [B, nb] int64, seq_lens [B] int64, scale, out [B, Hq, D], window
+    (0: none)); prefill: paged_prefill_attention_out(q [T, Hq, D], kv_cache, *PrefillBatch,
+    scale, out, window); store: store_kv(k, v, kv_cache, slot_mapping)."""
+
+    decode: Callable[..., torch.Tensor] | None = None
+    prefill: Callable[..., None] | None = None
+    store: Callable[..., None] | None = None
+
+    @classmethod
+    def of(cls, ops: ModuleType | None) -> AttentionKernels:
+        """The kernels of a compiled module (cpu_ops()); none with None."""
+        if ops is None:
+            return cls()
+        return cls(ops.paged_decode_attention_out, ops.paged_prefill_attention_out, ops.store_kv)
 
 
-def use_cpu_attention_ops(ops: ModuleType | None) -> None:
-    """Route CPU attention through the compiled kernels (pdserve_kernels/cpu): decode attention
-    paged_decode_attention_out(q [B, Hq, D], kv_cache, block_tables [B, nb] int64, seq_lens [B]
-    int64, scale, out [B, Hq, D], window (0: none)), prefill attention
-    paged_prefill_attention_out(q [T, Hq, D], kv_cache, *PrefillBatch, scale, out, window) and
-    the K/V store store_kv(k, v, kv_cache, slot_mapping); or back to the pure-torch path with
-    None."""
-    global _decode_kernel, _prefill_kernel, _store_kv
-    _decode_kernel = ops.paged_decode_attention_out if ops is not None else None
-    _prefill_kernel = ops.paged_prefill_attention_out if ops is not None else None
-    _store_kv = ops.store_kv if ops is not None else None
+class AttentionBackend:
+    """How a runner's layers attend over the paged cache, chosen once per runner
+    (attention_backend()) and carried by every step's AttentionMetadata: no process-wide
+    switch. Same contract as paged_attention. Pickles by name (tensor-parallel workers make
+    their own)."""
+
+    name = ""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __reduce__(self) -> tuple[Callable[[str], AttentionBackend], tuple[str]]:
+        return attention_backend, (self.name,)
+
+    def __repr__(self) -> str:
+        return f"AttentionBackend({self.name!r})"
+
+
+class TorchAttention(AttentionBackend):
+    """The pure-torch reference (and the fallback without a compiler)."""
+
+    name = "torch"
+
+    def __call__(self, q, k, v, kv_cache, meta, scale, window=None):
+        return paged_attention(q, k, v, kv_cache, meta, scale, window)
+
+
+class CpuAttention(AttentionBackend):
+    """The compiled CPU kernels: one decode call, one prefill call, the K/V store."""
+
+    name = "cpu"
+
+    def __init__(self, ops: ModuleType) -> None:
+        self.kernels = AttentionKernels.of(ops)
+
+    def __call__(self, q, k, v, kv_cache, meta, scale, window=None):
+        return paged_attention(q, k, v, kv_cache, meta, scale, window, self.kernels)
+
+
+class TritonAttention(AttentionBackend):
+    """The Triton kernels of pdserve_kernels/ (engine/attention_triton.py): CUDA, or the CPU
+    under TRITON_INTERPRET=1 (slow; fp32 only: the interpreter gets bf16 wrong). Sliding-window
+    layers take the torch path (the Triton kernels have no window yet)."""
+
+    name = "triton"
+
+    def __call__(self, q, k, v, kv_cache, meta, scale, window=None):
+        if window is not None:
+            return paged_attention(q, k, v, kv_cache, meta, scale, window)
+        from pdserve.engine.attention_triton import triton_paged_attention
+
+        return triton_paged_attention(q, k, v, kv_cache, meta, scale)
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+
+
+def attention_backend(name: str = "auto", device: str = "cpu") -> AttentionBackend:
+    """The backend called name; "auto": the CPU kernels on a CPU where they build (else
+    torch), Triton on CUDA. ValueError naming why when the one asked for cannot run here."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    cuda = device.startswith("cuda")
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton" or (name == "auto" and cuda):
+        from pdserve.kernels._paged_common import interpreting
+
+        if not cuda and not interpreting():
+            raise ValueError(
+                "the triton attention backend needs CUDA, or TRITON_INTERPRET=1 on a CPU "
+                "(set before triton is imported; slow, for tests)"
+            )
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"the triton attention backend needs triton: {e}") from None
+        return TritonAttention()
+    from pdserve.kernels.cpu import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None:
+        if name == "cpu":
+            raise ValueError("the cpu attention backend's kernels do not build here")
+        return TorchAttention()
+    return CpuAttention(ops)
 
 
 def write_kv(
-    kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    kv_cache: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    meta: AttentionMetadata,
+    kernels: AttentionKernels | None = None,
 ) -> None:
     """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
-    if _store_kv is not None and not kv_cache.is_cuda:
-        _store_kv(k, v, kv_cache, meta.slot_mapping)
+    if kernels is not None and kernels.store is not None and not kv_cache.is_cuda:
+        kernels.store(k, v, kv_cache, meta.slot_mapping)
         return
     _, _, hkv, bs, d = kv_cache.shape
     rows = kv_cache.view(-1, d)
@@ -191,28 +296,32 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    kernels: AttentionKernels | None = None,
 ) -> torch.Tensor:
     """Causal attention of q ([T, Hq, D]) over each request's cached context plus this step's
     k/v ([T, Hkv, D]), which are written into kv_cache first. Returns [T, Hq, D]. Rows past
     the step's tokens (len(meta.slot_mapping)) are padding (models/llama.py padded_rows):
     their K/V is not stored and their output is zero. window: a sliding-window layer's, the
-    query at position p sees keys in (p - window, p] only (None: the whole context)."""
+    query at position p sees keys in (p - window, p] only (None: the whole context).
+    kernels: the compiled CPU kernels to use (None, or any of them None: pure torch)."""
     num_tokens = meta.slot_mapping.shape[0]
-    write_kv(kv_cache, k[:num_tokens], v[:num_tokens], meta)
+    write_kv(kv_cache, k[:num_tokens], v[:num_tokens], meta, kernels)
     out = torch.empty_like(q)
     if q.shape[0] > num_tokens:
         out[num_tokens:].zero_()
     nd = meta.num_decode_tokens
-    if nd and _decode_kernel is not None and not q.is_cuda:
+    decode = kernels.decode if kernels is not None and not q.is_cuda else None
+    prefill = kernels.prefill if kernels is not None and not q.is_cuda else None
+    if nd and decode is not None:
         # q[:nd] may be a row-strided view of the qkv projection: the kernel reads it in place
         # and writes straight into out's rows
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        _decode_kernel(q[:nd], kv_cache, tables, lens, scale, out[:nd], window or 0)
+        decode(q[:nd], kv_cache, tables, lens, scale, out[:nd], window or 0)
     elif nd:
         out[:nd] = _decode_attention(q[:nd], kv_cache, meta, scale, window)
-    if meta.prefills and _prefill_kernel is not None and not q.is_cuda:
+    if meta.prefills and prefill is not None:
         # every multi-token request in one call, written straight into out's rows
-        _prefill_kernel(q, kv_cache, *meta.prefill_batch, scale, out, window or 0)
+        prefill(q, kv_cache, *meta.prefill_batch, scale, out, window or 0)
         return out
     for seq in meta.prefills:
         sl = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -234,7 +343,7 @@ def _decode_attention(
     b, hq, d = q.shape
     _, hkv, length, _ = keys.shape
     group = hq // hkv
-    scores = torch.bmm(q.view(b * hkv, group, d), keys.view(b * hkv, length, d).transpose(1, 2))
+    scores = torch.bmm(q.reshape(b * hkv, group, d), keys.view(b * hkv, length, d).transpose(1, 2))
     scores = scores.float().view(b, hkv, group, length) * scale
     bias = meta.decode_bias if window is None else meta.decode_window_bias(window)
     if bias is not None:

@@ -28,12 +28,21 @@ class ModelConfig:
     """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
     seed: int = 0
     """Seed for requests that do not bring one of their own."""
+    attention_backend: str = "auto"
+    """How layers attend over the paged KV cache: "cpu" (the compiled CPU kernels), "torch"
+    (the pure-torch reference), "triton" (CUDA, or a CPU under TRITON_INTERPRET=1: slow, fp32,
+    for tests) or "auto" (cpu where its kernels build, else torch)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in (*SUPPORTED_DTYPES, "auto"):
             raise ValueError(
                 f"dtype must be one of {SUPPORTED_DTYPES} or 'auto', got {self.dtype!r} "
                 "(float16 is not supported on CPU: it is ~1000x slower than bfloat16)"
+            )
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
+            raise ValueError(
+                "attention_backend must be auto, torch, cpu or triton, got "
+                f"{self.attention_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from pdserve.engine.attention import attention_backend
 from pdserve.engine.config import (
     CacheConfig,
     LoRAConfig,
@@ -160,7 +161,13 @@ class LLMEngine:
             max_loras=lora_config.max_loras if lora_config is not None else None,
         )
         self.runner = ModelRunner(
-            model, arch, self.dtype, self.num_blocks, self.cache_config.block_size, lora=self.lora
+            model,
+            arch,
+            self.dtype,
+            self.num_blocks,
+            self.cache_config.block_size,
+            lora=self.lora,
+            attention=attention_backend(model_config.attention_backend),
         )
         if self.tp is not None:
             self.tp.start_workers(self.num_blocks, self.cache_config.block_size)

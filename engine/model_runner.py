@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSeq, use_cpu_attention_ops
+from pdserve.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSeq,
+    attention_backend,
+)
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
 from pdserve.engine.models.loader import ModelArch
@@ -95,8 +100,11 @@ class PagedModel:
         dtype: torch.dtype,
         num_blocks: int,
         block_size: int,
+        attention: AttentionBackend | None = None,
     ) -> None:
         self.model = model
+        self.attention = attention or attention_backend("auto")
+        """How this model's layers attend (engine/attention.py), chosen once here."""
         self.arch = arch
         self.block_size = block_size
         # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim] (engine/attention.py)
@@ -209,7 +217,9 @@ class PagedModel:
             offset += n
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
         block_tables, seq_lens, mask = self._decode_tables(decodes)
-        meta = AttentionMetadata(slot_mapping, nd, block_tables, seq_lens, mask, prefills, bs)
+        meta = AttentionMetadata(
+            slot_mapping, nd, block_tables, seq_lens, mask, prefills, bs, self.attention
+        )
         return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta
 
     def _decode_tables(
@@ -241,13 +251,13 @@ class ModelRunner(PagedModel):
         block_size: int,
         use_cpu_kernels: bool = True,
         lora: LoRAManager | None = None,
+        attention: AttentionBackend | None = None,
     ) -> None:
-        super().__init__(model, arch, dtype, num_blocks, block_size)
+        super().__init__(model, arch, dtype, num_blocks, block_size, attention)
         self.lora = lora
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
         ops = cpu_ops() if use_cpu_kernels else None
-        use_cpu_attention_ops(ops)
         use_cpu_sampling_ops(ops)
         use_cpu_fused_ops(ops)
 

@@ -6,7 +6,7 @@ embeddings, RoPE scaling (linear, llama3). q/k/v and gate/up are fused into one 
 ``load_weight`` takes the checkpoint's separate tensors and writes them into their rows.
 
 The batch is flattened: every tensor is ``[num_tokens, ...]`` with no padding, and attention
-goes through ``engine.attention.paged_attention`` with the step's ``AttentionMetadata``.
+goes through the step's ``AttentionMetadata``'s backend (``engine.attention``).
 
 ``CausalLM`` is what the loader and the model runner see of a model; other families
 (models/gemma3.py) build on it and on the layers here.
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.attention import AttentionMetadata, paged_attention
+from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.utils import cdiv
 
 if TYPE_CHECKING:
@@ -268,7 +268,7 @@ class Attention(nn.Module):
             _fused.rotary_embedding(q, k, cos, sin)  # in place, inside the fresh qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.window)
+        out = meta.backend(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

@@ -29,6 +29,7 @@ ENGINE_FLAGS = [
     "--dtype",
     "--max-model-len",
     "--seed",
+    "--attention-backend",
     "--block-size",
     "--num-blocks",
     "--kv-cache-memory",

@@ -14,6 +14,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, ModelConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampler import SamplingMetadata, process_logits
 from pdserve.engine.structured_output import (
@@ -171,8 +172,8 @@ def test_speculation_verifies_drafts_against_the_grammar(tiny_llama: str, llm: L
 class SnapshotConnector:
     """Prefill side: copies the prompt's KV blocks after the step that computes them."""
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        self.kv_cache = kv_cache
+    def register_kv_cache(self, kv_cache: KVBlockIO, block_size: int) -> None:
+        self.kv_cache = kv_cache.kv_cache  # one process: the tensor holds every head
 
     def after_execute(self, output) -> None:
         (chunk,) = output.chunks

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import attention
-from pdserve.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
+from pdserve.engine.attention import (
+    AttentionKernels,
+    AttentionMetadata,
+    PrefillSeq,
+    paged_attention,
+)
 from pdserve.engine.models.llama import apply_rope
 from pdserve.kernels.cpu import cpu_ops
 
@@ -143,14 +148,13 @@ def test_decode_kernel_reads_and_writes_row_strided_views(ops, dtype):
         ops.paged_decode_attention_out(q.transpose(0, 1), cache, tables, lens, 0.1, out)
 
 
-def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
+def test_engine_routes_decodes_through_kernel(ops):
     calls = []
 
     def spy(*args):
         calls.append(args[0].shape)
         return ops.paged_decode_attention_out(*args)
 
-    monkeypatch.setattr(attention, "_decode_kernel", spy)
     cache = torch.zeros(4, 2, 1, 16, 8)
     q = torch.randn(1, 2, 8)
     k = v = torch.randn(1, 1, 8)
@@ -163,7 +167,7 @@ def test_engine_routes_decodes_through_kernel(ops, monkeypatch):
         prefills=[],
         block_size=16,
     )
-    out = paged_attention(q, k, v, cache, meta, 1.0)
+    out = paged_attention(q, k, v, cache, meta, 1.0, kernels=AttentionKernels(decode=spy))
     assert calls == [torch.Size([1, 2, 8])]
     # one key: attention returns its value for every query head
     torch.testing.assert_close(out[0], v[0].expand(2, 8))
@@ -229,16 +233,13 @@ def dense_windowed(q, keys, values, q_positions, window, scale):
 
 @pytest.mark.parametrize("path", ["torch", "kernel"])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_paged_attention_sliding_window(ops, monkeypatch, path, block_size):
+def test_paged_attention_sliding_window(ops, path, block_size):
     """One step of a sliding-window layer: two decodes, a prefill chunk over cached context
     longer than the window, a fresh prefill longer than the window (padded to 64 query rows)
     and a short one; every query's output equals dense attention over its window."""
-    if path == "torch":
-        monkeypatch.setattr(attention, "_decode_kernel", None)
-        monkeypatch.setattr(attention, "_prefill_kernel", None)
-    else:
-        monkeypatch.setattr(attention, "_decode_kernel", ops.paged_decode_attention_out)
-        monkeypatch.setattr(attention, "_prefill_kernel", ops.paged_prefill_attention_out)
+    kernels = None
+    if path != "torch":
+        kernels = AttentionKernels(ops.paged_decode_attention_out, ops.paged_prefill_attention_out)
     window, hq, hkv, d = 12, 4, 2, 32
     g = torch.Generator().manual_seed(block_size)
     # (tokens cached before the step, tokens computed in it); decodes first
@@ -271,7 +272,7 @@ def test_paged_attention_sliding_window(ops, monkeypatch, path, block_size):
     meta = windowed_meta(decode_tables, decode_lens, block_size, max_blocks)
     meta.slot_mapping, meta.prefills = torch.tensor(slots), prefills
     q, k, v = torch.cat(q_parts), torch.cat(k_parts), torch.cat(v_parts)
-    out = paged_attention(q, k, v, cache, meta, d**-0.5, window)
+    out = paged_attention(q, k, v, cache, meta, d**-0.5, window, kernels)
     start = 0
     for (cached, n), kv_all, q_seq in zip(seqs, kv, q_parts, strict=True):
         positions = list(range(cached, cached + n))
@@ -346,7 +347,7 @@ def test_fused_layers_reject_bad_input(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_kv_matches_the_torch_write(ops, dtype, monkeypatch):
+def test_store_kv_matches_the_torch_write(ops, dtype):
     """The compiled K/V store puts every token's K and V rows (strided views into a fused qkv
     output, as the model passes them) where the torch index_copy_ path puts them, and touches
     nothing else; a slot outside the cache is refused."""
@@ -368,8 +369,7 @@ def test_store_kv_matches_the_torch_write(ops, dtype, monkeypatch):
     start = torch.randn(num_blocks, 2, hkv, block_size, d, generator=g).to(dtype)
     ours, want = start.clone(), start.clone()
     ops.store_kv(k, v, ours, slots)
-    monkeypatch.setattr(attention, "_store_kv", None)
-    attention.write_kv(want, k, v, meta)
+    attention.write_kv(want, k, v, meta)  # no kernels: the torch path
     assert torch.equal(ours, want)
     assert not torch.equal(ours, start)
     with pytest.raises(RuntimeError, match="outside the cache"):

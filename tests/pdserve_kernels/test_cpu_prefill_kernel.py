@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve.engine import attention
-from pdserve.engine.attention import AttentionMetadata, PrefillSeq, paged_attention
+from pdserve.engine.attention import (
+    AttentionKernels,
+    AttentionMetadata,
+    PrefillSeq,
+    paged_attention,
+)
 from pdserve.kernels.cpu import cpu_ops
 
 
@@ -153,7 +157,7 @@ def test_row_strided_views_and_other_rows_untouched(ops):
 
 
 @pytest.mark.parametrize("window", [None, 24])
-def test_engine_routes_prefills_through_kernel(ops, monkeypatch, window):
+def test_engine_routes_prefills_through_kernel(ops, window):
     """One step with a decode, a fresh prompt, a chunk over a cached prefix and padding rows:
     the engine's kernel route makes one prefill call and equals its pure-torch route."""
     calls = []
@@ -179,9 +183,8 @@ def test_engine_routes_prefills_through_kernel(ops, monkeypatch, window):
     )  # fmt: skip
     outs = {}
     for route in ("torch", "kernel"):
-        monkeypatch.setattr(attention, "_decode_kernel", None)
-        monkeypatch.setattr(attention, "_prefill_kernel", spy if route == "kernel" else None)
-        outs[route] = paged_attention(q, k, v, cache.clone(), meta, d**-0.5, window)
+        kernels = AttentionKernels(prefill=spy) if route == "kernel" else None
+        outs[route] = paged_attention(q, k, v, cache.clone(), meta, d**-0.5, window, kernels)
     assert calls == [[1, 101]]
     torch.testing.assert_close(outs["kernel"], outs["torch"], atol=1e-5, rtol=1e-5)
     assert (outs["kernel"][129:] == 0).all()

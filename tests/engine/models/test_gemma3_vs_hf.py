@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import LLM, SamplingParams, attention, model_runner
+from pdserve.engine import LLM, SamplingParams, model_runner
 from pdserve.engine.models.gemma3 import Gemma3ForCausalLM
 from pdserve.engine.models.loader import load_model, parse_model_arch
 from tests.engine.models.test_llama_vs_hf import PagedSeqs, assert_close, random_ids
@@ -331,8 +331,9 @@ def test_greedy_matches_transformers(
         max_num_batched_tokens=budget,
         enable_prefix_caching=prefix_caching,
         max_num_seqs=16,
+        attention_backend="torch" if kernels == "torch_ops" else "cpu",
     )
-    assert (attention._decode_kernel is None) == (kernels == "torch_ops")
+    assert llm.engine.runner.attention.name == ("torch" if kernels == "torch_ops" else "cpu")
     params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n) for n in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for i, (out, expected) in enumerate(zip(outputs, reference, strict=True)):

@@ -16,7 +16,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.attention import AttentionMetadata, PrefillSeq
+from pdserve.engine.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    PrefillSeq,
+    TorchAttention,
+)
 from pdserve.engine.models import llama
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.loader import load_model, parse_model_arch
@@ -32,6 +37,9 @@ torch.set_num_threads(2)
 class PagedSeqs:
     """A minimal scheduler + model runner: per-sequence block tables over one KV cache per
     layer, blocks handed out in order from 1 (block 0 is the null block)."""
+
+    attention: AttentionBackend = TorchAttention()
+    """The attention backend its steps' metadata names (conftest's layer_kernels sets it)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
@@ -79,6 +87,7 @@ class PagedSeqs:
             num_decode_tokens=num_decodes,
             prefills=prefills,
             block_size=BLOCK_SIZE,
+            backend=self.attention,
             **self._decode_meta([seq for seq, _ in batch[:num_decodes]]),
         )
         with torch.inference_mode():

@@ -13,6 +13,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import SampledTokens
+from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.request import RequestStatus
 
 ALWAYS = {"max_batch_for_speculation": 64, "min_expected_accepted": 0.0}
@@ -92,8 +93,8 @@ class SnapshotConnector:
         self.kv_cache: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
 
-    def register_kv_cache(self, kv_cache: torch.Tensor, block_size: int) -> None:
-        self.kv_cache = kv_cache
+    def register_kv_cache(self, kv_cache: KVBlockIO, block_size: int) -> None:
+        self.kv_cache = kv_cache.kv_cache  # one process: the tensor holds every head
 
     def after_execute(self, output) -> None:
         (chunk,) = output.chunks

@@ -1,0 +1,50 @@
+"""The attention backend is chosen once per runner and carried by each step's metadata (no
+process-wide switch): torch, the compiled CPU kernels and the Triton kernels (on this CPU under
+TRITON_INTERPRET=1, in a `pdserve generate` process of its own: the variable must be set before
+triton is imported) give the same greedy fp32 tokens; a backend that cannot run here is a
+ValueError saying why."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.attention import attention_backend
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n"]
+MAX_TOKENS = 6
+
+
+def offline(model: str, backend: str) -> list[list[int]]:
+    llm = LLM(model=model, dtype="float32", num_blocks=64, attention_backend=backend)
+    assert llm.engine.runner.attention.name == backend
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_cpu_kernels_and_torch_backends_agree(tiny_llama) -> None:
+    assert offline(tiny_llama, "cpu") == offline(tiny_llama, "torch")
+
+
+def test_triton_backend_in_the_engine_under_the_interpreter(tiny_llama) -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "pdserve.cli", "generate", "--model", tiny_llama,
+            "--dtype", "float32", "--attention-backend", "triton", "--num-blocks", "64",
+            "--max-tokens", str(MAX_TOKENS), "--ignore-eos", "--json", *PROMPTS]  # fmt: skip
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["token_ids"] for r in records] == offline(tiny_llama, "torch")
+
+
+def test_a_backend_that_cannot_run_here_is_a_value_error(monkeypatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        attention_backend("triton")
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        attention_backend("flash")
