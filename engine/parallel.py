@@ -46,14 +46,16 @@ _ROW_PARALLEL = {"o_proj", "down_proj"}
 _SUPPORTED = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
 
 
+def _check_supported(arch: ModelArch, what: str) -> None:
+    if arch.architecture not in _SUPPORTED:
+        raise ValueError(f"{what} supports {sorted(_SUPPORTED)}, not {arch.architecture}")
+
+
 def check_tensor_parallel(arch: ModelArch, tp_size: int) -> None:
     """ValueError unless arch can be split over tp_size ranks."""
     if tp_size == 1:
         return
-    if arch.architecture not in _SUPPORTED:
-        raise ValueError(
-            f"tensor parallelism supports {sorted(_SUPPORTED)}, not {arch.architecture}"
-        )
+    _check_supported(arch, "tensor parallelism")
     if arch.num_heads % tp_size:
         raise ValueError(
             f"--tensor-parallel-size {tp_size} does not divide the {arch.num_heads} attention heads"
@@ -75,10 +77,7 @@ def check_pipeline_parallel(arch: ModelArch, pp_size: int) -> None:
     """ValueError unless arch's layers can be split into pp_size stages."""
     if pp_size == 1:
         return
-    if arch.architecture not in _SUPPORTED:
-        raise ValueError(
-            f"pipeline parallelism supports {sorted(_SUPPORTED)}, not {arch.architecture}"
-        )
+    _check_supported(arch, "pipeline parallelism")
     if pp_size > arch.num_layers:
         raise ValueError(
             f"--pipeline-parallel-size {pp_size} exceeds the model's {arch.num_layers} layers"

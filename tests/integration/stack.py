@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,13 @@ class Stack:
             else:
                 stub = node_pb2_grpc.DecodeNodeStub(channel)
             return stub.GetLoad(node_pb2.GetLoadRequest(), timeout=5.0)
+
+    def node_counter(self, name: str, metric: str) -> float:
+        """A counter from node name's Prometheus /metrics, summed over its series."""
+        address = self.nodes[name]["metrics_address"]
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(metric))
 
     def wait_all_blocks_free(self, timeout_s: float = 20.0, skip: tuple[str, ...] = ()) -> None:
         """Every live node's pool back to fully free (cached blocks count as free)."""
@@ -79,3 +89,14 @@ def start_stack(
         time.sleep(0.25)
     nodes = {n["name"]: n for n in json.loads(state.read_text())}
     return Stack(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", model, nodes)
+
+
+@contextmanager
+def running_stack(model: str, log_dir: Path, *args, **kwargs) -> Iterator[Stack]:
+    """start_stack, then stop it on the way out; serve must exit cleanly (code 0)."""
+    stack = start_stack(model, log_dir, *args, **kwargs)
+    try:
+        yield stack
+    finally:
+        code = stack.proc.stop(timeout_s=40)
+        assert code == 0, f"pdserve serve exited with {code}:\n{stack.proc.log()}"

@@ -7,7 +7,6 @@ vLLM's /v1/models listing, 404 for an unknown adapter, runtime load and unload."
 from __future__ import annotations
 
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,7 +16,7 @@ import pytest
 
 from pdserve.engine import LLM, LoRARequest, SamplingParams
 from pdserve.v1 import gateway_pb2, gateway_pb2_grpc
-from tests.integration.stack import BLOCK, start_stack
+from tests.integration.stack import BLOCK, running_stack
 from tests.lora_adapters import make_adapter
 
 TIMEOUT_S = 120.0
@@ -41,12 +40,8 @@ def stack(tiny_llama, adapter_dirs, tmp_path_factory):
         "--lora-modules", f"sql={adapter_dirs['sql']}", f"poem={adapter_dirs['poem']}",
         "--allow-runtime-lora-updating",
     ]  # fmt: skip
-    s = start_stack(tiny_llama, tmp_path_factory.mktemp("lora"), 1, 1, extra=extra)
-    try:
+    with running_stack(tiny_llama, tmp_path_factory.mktemp("lora"), 1, 1, extra=extra) as s:
         yield s
-    finally:
-        code = s.proc.stop(timeout_s=40)
-        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +75,7 @@ def served_ids(client: openai.OpenAI, model: str, tokens: list[int]) -> list[int
 
 
 def prefill_prompt_tokens(stack) -> float:
-    address = stack.nodes["prefill-0"]["metrics_address"]
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("pdserve:prompt_tokens_total")
-    )
+    return stack.node_counter("prefill-0", "pdserve:prompt_tokens_total")
 
 
 def test_adapters_and_base_interleaved_equal_offline(client, stack, offline, adapter_dirs):

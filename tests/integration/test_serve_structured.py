@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
@@ -18,7 +17,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.structured_output import StructuredOutputKind, StructuredOutputSpec
-from tests.integration.stack import BLOCK, start_stack
+from tests.integration.stack import BLOCK, running_stack
 
 TIMEOUT_S = 180.0
 SCHEMA = {
@@ -55,12 +54,8 @@ def model() -> str:
 
 @pytest.fixture(scope="module")
 def stack(model, tmp_path_factory):
-    s = start_stack(model, tmp_path_factory.mktemp("structured"), num_prefill=1, num_decode=1)
-    try:
+    with running_stack(model, tmp_path_factory.mktemp("structured"), 1, 1) as s:
         yield s
-    finally:
-        code = s.proc.stop(timeout_s=40)
-        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
 
 
 @pytest.fixture(scope="module")
@@ -134,12 +129,8 @@ def spec_stack(model, tmp_path_factory):
     rejected) and a KV cache too small for the batch (preemption)."""
     config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
     extra = ["--speculative-config", json.dumps(config), "--num-blocks", "24"]
-    s = start_stack(model, tmp_path_factory.mktemp("structured_spec"), 1, 1, extra=extra)
-    try:
+    with running_stack(model, tmp_path_factory.mktemp("structured_spec"), 1, 1, extra=extra) as s:
         yield s
-    finally:
-        code = s.proc.stop(timeout_s=40)
-        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
 
 
 def test_json_schema_with_speculation_and_preemption_equals_plain(client, spec_stack):
@@ -160,11 +151,9 @@ def test_json_schema_with_speculation_and_preemption_equals_plain(client, spec_s
     for text in speculated:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert speculated == run(client)  # greedy: speculation and preemption change nothing
-    metrics = spec_stack.nodes["decode-0"]["metrics_address"]
-    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10).read().decode()
 
     def counter(name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+        return spec_stack.node_counter("decode-0", name)
 
     assert counter("pdserve:num_preemptions_total") > 0, "no request was preempted"
     assert counter("pdserve:spec_decode_num_accepted_tokens_total") > 0

@@ -8,7 +8,6 @@ remotely."""
 from __future__ import annotations
 
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -33,16 +32,6 @@ def expected(tiny_llama) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts(), params, use_tqdm=False)]
 
 
-def prefill_prompt_tokens(stack) -> float:
-    address = stack.nodes["prefill-0"]["metrics_address"]
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith("pdserve:prompt_tokens_total")
-    )
-
-
 @pytest.mark.parametrize("tp_tier", ["prefill", "decode"])
 def test_kv_moves_between_tensor_parallel_sizes(tiny_llama, expected, tmp_path, tp_tier) -> None:
     extra = [f"--{tp_tier}-node-arg=--tensor-parallel-size=2"]
@@ -62,7 +51,8 @@ def test_kv_moves_between_tensor_parallel_sizes(tiny_llama, expected, tmp_path, 
             got = list(pool.map(served, prompts(), timeout=TIMEOUT_S))
         assert got == expected
         total = sum(len(p) for p in prompts())
-        assert prefill_prompt_tokens(stack) >= total * 0.9, "the prompts were not prefilled remotely"
+        prefilled = stack.node_counter("prefill-0", "pdserve:prompt_tokens_total")
+        assert prefilled >= total * 0.9, "the prompts were not prefilled remotely"
         stack.wait_all_blocks_free()
     finally:
         code = stack.proc.stop(timeout_s=40)

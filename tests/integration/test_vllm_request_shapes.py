@@ -16,7 +16,7 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.stack import start_stack
+from tests.integration.stack import running_stack
 from tests.integration.test_serve_structured import smollm2
 
 TIMEOUT_S = 120.0
@@ -258,12 +258,8 @@ def _tool_calls(out: dict) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     extra = ["--served-model-name", MODEL, "other-alias"]
-    s = start_stack(smollm2(), tmp_path_factory.mktemp("shapes"), 1, 1, extra=extra)
-    try:
+    with running_stack(smollm2(), tmp_path_factory.mktemp("shapes"), 1, 1, extra=extra) as s:
         yield s
-    finally:
-        code = s.proc.stop(timeout_s=40)
-        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
 
 
 @pytest.fixture(scope="module")
