@@ -110,7 +110,7 @@ class Traffic:
         body = {"model": self.model, "stream": True, "max_tokens": 48,
                 "messages": [{"role": "user", "content": self._words(40)}]}  # fmt: skip
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
-            lines = list(r.iter_lines())
+            lines = [line for line in r.iter_lines() if line]  # events end with a blank line
         return r.status_code == 200 and lines[-1] == "data: [DONE]" if lines else False
 
     def cancel(self, c: httpx.Client) -> bool:
