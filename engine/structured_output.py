@@ -138,7 +138,7 @@ class GrammarMatcher:
         forbids ends the walk: the verifier rejects it there, so later rows are never used."""
         accepted = 0
         for token in drafts:
-            if not self._matcher.accept_token(token):
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token):
                 break
             accepted += 1
         if not self._matcher.is_terminated():

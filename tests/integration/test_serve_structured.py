@@ -126,8 +126,15 @@ def person_request(model_id: str, who: str) -> dict:
 @pytest.fixture(scope="module")
 def spec_stack(model, tmp_path_factory):
     """Speculation (the model drafts for itself, unconstrained: drafts the grammar forbids are
-    rejected) and a KV cache too small for the batch (preemption)."""
-    config = {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    rejected) and a KV cache too small for the batch (preemption). Every request speculates in
+    every step (max_batch_for_speculation = the batch), so whether drafts run does not depend
+    on how the 8 requests happen to overlap."""
+    config = {
+        "method": "draft_model",
+        "model": model,
+        "num_speculative_tokens": 3,
+        "max_batch_for_speculation": len(PEOPLE),
+    }
     extra = ["--speculative-config", json.dumps(config), "--num-blocks", "24"]
     with running_stack(model, tmp_path_factory.mktemp("structured_spec"), 1, 1, extra=extra) as s:
         yield s

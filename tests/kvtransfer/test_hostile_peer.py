@@ -40,7 +40,8 @@ RECEIVER = textwrap.dedent(
         layout = LayoutSignature("m", "float32", 2, 2, 16, 16)
         got = []
         token = receiver.expect("good", layout, 2, lambda h, p: got.append(bytes(p)))
-        print(receiver.address, token, flush=True)
+        warm = receiver.expect("warm", layout, 2, lambda h, p: got.append(bytes(p)))
+        print(receiver.address, token, warm, flush=True)
         loop = asyncio.get_running_loop()
         while True:
             line = await loop.run_in_executor(None, sys.stdin.readline)
@@ -106,7 +107,7 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
         env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"},
     )
     try:
-        address, token = proc.stdout.readline().split()
+        address, token, warm_token = proc.stdout.readline().split()
 
         def stats() -> tuple[int, int, int]:
             proc.stdin.write("stats\n")
@@ -114,7 +115,19 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
             rss, refused, delivered = map(int, proc.stdout.readline().split())
             return rss, refused, delivered
 
+        blocks = np.arange(2 * LAYOUT.block_bytes, dtype=np.uint32).astype(np.uint8)
+        baseline: list[int] = []
+
         async def attack() -> None:
+            # one good transfer first, so the transport's own pools and buffers exist before
+            # the baseline is read (under load they can be tens of MiB)
+            sender = make_sender(kind)
+            try:
+                header = TransferHeader("warm", LAYOUT, 0, 2, blocks.nbytes, token=warm_token)
+                await sender.send(address, header, blocks, timeout_s=30)
+            finally:
+                await sender.close()
+            baseline.append(stats()[0])
             claims = [bogus_header(f"forged-{i}", "0" * 32) for i in range(95)]
             claims += [bogus_header("good", "f" * 32) for _ in range(5)]  # right id, no token
             # three of the UCX claims offer the whole 512 MiB (a receiver that took a buffer
@@ -130,9 +143,8 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
             # the receiver still serves the one peer that holds the token
             sender = make_sender(kind)
             try:
-                blocks = np.arange(2 * LAYOUT.block_bytes, dtype=np.uint32).astype(np.uint8)
                 header = TransferHeader("good", LAYOUT, 0, 2, blocks.nbytes, token=token)
-                await sender.send(address, header, blocks, timeout_s=10)
+                await sender.send(address, header, blocks, timeout_s=30)
             finally:
                 await sender.close()
             if kind == "ucx":
@@ -140,16 +152,16 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
 
                 shutdown_ucx()
 
-        rss_before, _, _ = stats()
         start = time.monotonic()
         asyncio.run(attack())
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (current := stats())[1] < 100 and time.monotonic() < deadline:
             time.sleep(0.1)
         rss_after, refused, delivered = current
         assert refused == 100, f"{refused} of 100 bogus claims refused"
-        assert delivered == 1
-        assert rss_after - rss_before < 32 * 1024, (rss_before, rss_after)
+        assert delivered == 2
+        # one accepted claim would hold 512 MiB; 64 MiB is allowance for allocator noise
+        assert rss_after - baseline[0] < 64 * 1024, (baseline, rss_after)
         assert time.monotonic() - start < 120
     finally:
         if proc.poll() is None:
