@@ -116,10 +116,46 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
         return None
 
 
+SMALL_ROWS_MAX = 128
+"""Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
+layout (pack_small_rows): 1.6x oneDNN's speed at 1-16 rows on this CPU (20 vs 12.5 GB/s of
+weights read), still ahead at 128, even at 256 (benchmarks/small_rows_linear.py)."""
+
+
+def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
+    """weight ([N, K] bf16) in the layout of the compiled AMX kernel for few-row products
+    (pdserve_kernels/cpu/linear.cpp), or None where it cannot run: no kernels, no AMX granted,
+    not bf16, K not a multiple of 32. A second copy of the weight (the oneDNN copy serves the
+    many-row products of prefill)."""
+    if weight.is_cuda or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
+        return None
+    from pdserve.kernels.cpu import cpu_ops
+
+    ops = cpu_ops()
+    if ops is None or not ops.linear_small_m_available():
+        return None
+    return ops.pack_linear_weight(weight.detach())
+
+
 def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    small: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b) through the packed weight when it pays off, else F.linear."""
+    """x W^T (+ b): few rows through the AMX kernel (small: pack_small_rows' layout; while the
+    compiled layers are on), more through the oneDNN-packed weight when it pays off, else
+    F.linear."""
+    if (
+        small is not None
+        and _fused is not None
+        and x.shape[0] <= SMALL_ROWS_MAX
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and x.dtype == torch.bfloat16
+    ):
+        return _fused.linear_small_m(x, small, weight.shape[0], bias)
     if packed is not None and (x.dtype == torch.bfloat16 or x.shape[0] >= _ONEDNN_MIN_ROWS_FP32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -137,6 +173,8 @@ class Linear(nn.Module):
         self.bias = _param(sum(shard_sizes), dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None
         """oneDNN-packed copy of weight, made by pack() once the weights are loaded."""
+        self.small: torch.Tensor | None = None
+        """The weight in the few-row AMX kernel's layout (pack_small_rows), made by pack()."""
         self.lora: LoRASlots | None = None
         """The LoRA adapters' stacked weights (engine/lora/), when LoRA is enabled."""
         self.reduce: Callable[[torch.Tensor], None] | None = None
@@ -145,9 +183,10 @@ class Linear(nn.Module):
 
     def pack(self) -> None:
         self.packed = pack_weight(self.weight)
+        self.small = pack_small_rows(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.weight, self.packed, self.bias)
+        y = packed_linear(x, self.weight, self.packed, self.bias, self.small)
         if self.reduce is not None:
             self.reduce(y)
         return y if self.lora is None else self.lora.add_to(x, y)
@@ -347,6 +386,7 @@ class CausalLM(nn.Module):
     model: nn.Module
     lm_head: Linear | None
     _packed_tied_head: torch.Tensor | None = None
+    _small_tied_head: torch.Tensor | None = None
     stage: PipelineStage | None = None
     """Pipeline parallelism (engine/parallel.py): this process runs only its stage's layers,
     taking the residual stream from the previous stage and handing it on."""
@@ -389,15 +429,18 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)[:n].float()
         weight = self.model.embed_tokens.weight
-        return packed_linear(hidden, weight, self._packed_tied_head, None)[:n].float()
+        head = packed_linear(hidden, weight, self._packed_tied_head, None, self._small_tied_head)
+        return head[:n].float()
 
     def pack_weights(self) -> None:
-        """Reorder every projection's weight for oneDNN (after loading; CPU only)."""
+        """Reorder every projection's weight for oneDNN and the few-row kernel (after loading;
+        CPU only)."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
         if self.lm_head is None:
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight)
+            self._small_tied_head = pack_small_rows(self.model.embed_tokens.weight)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must provide (HF names) and its shape."""

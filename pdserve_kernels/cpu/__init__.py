@@ -52,6 +52,7 @@ _SOURCES = [
         "prefill_attention.cpp",
         "fused_ops.cpp",
         "sampling_ops.cpp",
+        "linear.cpp",
     )
 ]
 _HEADERS = [os.path.join(_HERE, "vec.h")]

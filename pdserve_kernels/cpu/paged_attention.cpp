@@ -509,6 +509,11 @@ void paged_prefill_attention_out(torch::Tensor q, torch::Tensor cache, torch::Te
                                  torch::Tensor query_len, torch::Tensor context_len,
                                  torch::Tensor block_tables, double scale, torch::Tensor out,
                                  int64_t window);
+// linear.cpp
+bool linear_small_m_available();
+torch::Tensor pack_linear_weight(torch::Tensor w);
+torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
+                             c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -532,4 +537,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of a float32 matrix (torch.argmax's answer)");
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] bf16 in linear_small_m's layout");
+  m.def("linear_small_m", &linear_small_m, "x W^T (+ b) for few rows, bf16 (AMX)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_small_m_available", &linear_small_m_available,
+        "whether linear_small_m runs here (built for AMX and granted by the OS)");
 }

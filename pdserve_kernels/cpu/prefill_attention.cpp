@@ -49,11 +49,6 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PDSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -242,35 +237,6 @@ inline void row_chunks(int64_t m, F&& f) {
 // operand as it is; the packed K [D/2, 64, 2] and V [32, D, 2] are B operands in the pair
 // (VNNI) layout the AVX-512 bf16 path uses too. The fp32 accumulator is loaded into tiles
 // for P V (rows are rescaled by AVX-512 first, when their max grew: tiles cannot scale rows).
-
-// Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM).
-bool amx_granted() {
-  static const bool granted = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
-}
-
-// Configures every tile as 16 rows x 64 bytes in this thread while in scope.
-struct AmxTiles {
-  struct Config {  // ldtilecfg's 64-byte layout, palette 1
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-  AmxTiles() {
-    Config c;
-    for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
-    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes only: without this barrier
-    // the rest of the config may be stored after the ldtilecfg (which then faults).
-    asm volatile("" ::: "memory");
-    _tile_loadconfig(&c);
-  }
-  ~AmxTiles() { _tile_release(); }
-  AmxTiles(const AmxTiles&) = delete;
-  AmxTiles& operator=(const AmxTiles&) = delete;
-};
 
 // S [M, 64] = Q [M, D] K^T; tiles 0-3: S's four 16-key column blocks, 4: Q, 5-6: K.
 template <int kD>

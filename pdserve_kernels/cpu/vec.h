@@ -12,6 +12,11 @@
 #if defined(__SSE__)
 #include <xmmintrin.h>
 #endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PDSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace pdserve_cpu {
 
@@ -85,6 +90,39 @@ inline __m512 reduce16(__m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(z01, z23, 0x88),
                        _mm512_shuffle_f32x4(z01, z23, 0xDD));
 }
+#endif
+
+#if defined(PDSERVE_AMX)
+// Asks Linux for the AMX tile state once per process (arch_prctl ARCH_REQ_XCOMP_PERM).
+inline bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+}
+
+// Configures the 8 tiles, 64 bytes wide, in this thread while in scope: tiles [0, short_tiles)
+// with short_rows rows (accumulators and A operands of fewer than 16 rows), the rest 16.
+struct AmxTiles {
+  struct Config {  // ldtilecfg's 64-byte layout, palette 1
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  };
+  explicit AmxTiles(int short_rows = 16, int short_tiles = 0) {
+    Config c;
+    for (int i = 0; i < 8; ++i)
+      c.colsb[i] = 64, c.rows[i] = static_cast<uint8_t>(i < short_tiles ? short_rows : 16);
+    // GCC's _tile_loadconfig tells the compiler it reads 8 bytes only: without this barrier
+    // the rest of the config may be stored after the ldtilecfg (which then faults).
+    asm volatile("" ::: "memory");
+    _tile_loadconfig(&c);
+  }
+  ~AmxTiles() { _tile_release(); }
+  AmxTiles(const AmxTiles&) = delete;
+  AmxTiles& operator=(const AmxTiles&) = delete;
+};
 #endif
 
 }  // namespace pdserve_cpu

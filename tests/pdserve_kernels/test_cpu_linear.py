@@ -1,0 +1,91 @@
+"""The few-row AMX linear kernel (pdserve_kernels/cpu/linear.cpp) against a float64 product,
+and the model's Linear choosing it for decode-sized inputs only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.models import llama
+from pdserve.kernels.cpu import cpu_ops
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = cpu_ops()
+    assert module is not None, "the CPU kernels must build on this machine (gcc + ninja)"
+    if not module.linear_small_m_available():
+        pytest.skip("this CPU has no AMX (or the OS does not grant it): oneDNN serves every row")
+    return module
+
+
+def reference(x, w, bias):
+    y = x.double() @ w.double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16, 17, 33, 128])
+@pytest.mark.parametrize("n,k", [(960, 576), (5, 32), (576, 1536), (130, 64)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16() if with_bias else None
+    out = ops.linear_small_m(x, ops.pack_linear_weight(w), n, bias)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    want = reference(x, w, bias)
+    # fp32 sums rounded once to bf16: within one bf16 ulp (2^-8 relative) plus fp32 noise
+    err = (out.double() - want).abs()
+    assert (err <= want.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
+
+
+def test_strided_rows_and_a_view_of_a_wider_tensor(ops):
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(6, 96, generator=g).bfloat16()
+    x = wide[:, :64]  # rows 96 apart
+    w = torch.randn(40, 64, generator=g).bfloat16()
+    out = ops.linear_small_m(x, ops.pack_linear_weight(w), 40)
+    torch.testing.assert_close(out.double(), reference(x, w, None), rtol=2**-7, atol=1e-2)
+
+
+def test_bad_shapes_are_refused_with_an_error(ops):
+    w = torch.randn(64, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.pack_linear_weight(w)
+    packed = ops.pack_linear_weight(torch.randn(64, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        ops.linear_small_m(torch.randn(2, 32).bfloat16(), packed, 64)  # K differs
+    with pytest.raises(RuntimeError, match="pack_linear_weight"):
+        ops.linear_small_m(torch.randn(2, 64).bfloat16(), packed, 65)  # N differs
+    with pytest.raises(RuntimeError, match="bf16"):
+        ops.linear_small_m(torch.randn(2, 64), packed, 64)
+
+
+def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops, monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    layer = llama.Linear(256, (96, 32), bias=True, dtype=torch.bfloat16)
+    layer.weight.copy_(torch.randn(128, 256, generator=g))
+    layer.bias.copy_(torch.randn(128, generator=g))
+    layer.pack()
+    assert layer.small is not None
+    calls = []
+    real = ops.linear_small_m
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def linear_small_m(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(llama, "_fused", Spy())
+    for rows in (1, 3, llama.SMALL_ROWS_MAX, llama.SMALL_ROWS_MAX + 8, 512):
+        x = torch.randn(rows, 256, generator=g).bfloat16()
+        want = reference(x, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x).double(), want, rtol=2**-7, atol=0.05)
+    assert calls == [1, 3, llama.SMALL_ROWS_MAX]
+    monkeypatch.setattr(llama, "_fused", None)  # compiled layers off: oneDNN / F.linear only
+    layer(torch.randn(2, 256).bfloat16())
+    assert calls == [1, 3, llama.SMALL_ROWS_MAX]
