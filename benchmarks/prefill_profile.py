@@ -10,6 +10,7 @@ The paths alternate for --rounds runs each; the profile of each path's last run 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import statistics
@@ -22,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine import LLM, SamplingParams, attention  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,7 +43,9 @@ def main() -> None:
     llm = LLM(
         model=args.model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens
     )
-    kernel = attention._prefill_kernel
+    backend = llm.engine.runner.attention  # the runner's CpuAttention
+    kernels = backend.kernels
+    kernel = kernels.prefill
     assert kernel is not None, "the CPU kernels did not build"
 
     def traced_kernel(*a) -> None:
@@ -57,7 +60,7 @@ def main() -> None:
     tables: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for name, fn in paths.items():
-            attention._prefill_kernel = fn
+            backend.kernels = dataclasses.replace(kernels, prefill=fn)  # None: torch SDPA
             llm.reset_prefix_cache()
             prompt = [rng.randrange(17, 49152) for _ in range(args.prompt_len)]
             with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -75,7 +78,7 @@ def main() -> None:
                 }
                 for e in events[: args.top]
             ]
-    attention._prefill_kernel = kernel
+    backend.kernels = kernels
     result = {
         "model": args.model,
         "dtype": args.dtype,

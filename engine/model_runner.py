@@ -10,7 +10,6 @@ chunk's speculative tokens with the rejection sampler.
 from __future__ import annotations
 
 import mmap
-
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field

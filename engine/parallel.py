@@ -24,6 +24,7 @@ import atexit
 import datetime
 import logging
 import multiprocessing
+import os
 import socket
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -226,10 +227,7 @@ class TensorParallelGroup:
         ]
         for worker in self.workers:
             worker.start()
-        dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
-            timeout=_TIMEOUT,
-        )  # fmt: skip
+        _join_group(port, 0, world)
         self._closed = False
         atexit.register(self.close)
 
@@ -327,6 +325,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join_group(port: int, rank: int, world: int) -> None:
+    """Join the ranks' gloo group: the rendezvous at 127.0.0.1:port and gloo's own pair sockets
+    on the loopback interface (every rank is a process of this host; unset, gloo binds the
+    address the host name resolves to, which may face the network)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        timeout=_TIMEOUT,
+    )  # fmt: skip
+
+
 def _worker_main(
     rank: int,
     tp_size: int,
@@ -345,10 +354,7 @@ def _worker_main(
     from pdserve.kernels.cpu import cpu_ops
 
     torch.set_num_threads(num_threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size * pp_size,
-        timeout=_TIMEOUT,
-    )  # fmt: skip
+    _join_group(port, rank, tp_size * pp_size)
     if pp_size > 1:
         model, arch = load_model(model_dir, dtype, max_model_len, pp_rank=rank, pp_size=pp_size)
     else:

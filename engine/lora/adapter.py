@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.models.llama import _FUSED, CausalLM, Linear
@@ -69,13 +70,27 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+def _open_tensors(path: Path) -> tuple[dict[str, tuple[int, ...]], Callable[[str], torch.Tensor]]:
+    """Each tensor's shape, read before any tensor's data (the safetensors header; a legacy
+    .bin is memory-mapped), and a function that loads one: shapes are checked against the base
+    model first, so an oversized or foreign file costs no memory."""
     safetensors = path / "adapter_model.safetensors"
     if safetensors.is_file():
-        return load_file(str(safetensors))
+        try:
+            f = safe_open(str(safetensors), framework="pt")
+            shapes = {key: tuple(f.get_slice(key).get_shape()) for key in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"LoRA adapter {path}: unreadable safetensors file: {e}") from e
+        return shapes, f.get_tensor
     legacy = path / "adapter_model.bin"
     if legacy.is_file():
-        return torch.load(legacy, map_location="cpu", weights_only=True)
+        try:
+            tensors = torch.load(legacy, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - torch.load raises many error types
+            raise ValueError(f"LoRA adapter {path}: unreadable adapter_model.bin: {e}") from e
+        if not isinstance(tensors, dict):
+            raise ValueError(f"LoRA adapter {path}: adapter_model.bin holds no state dict")
+        return {key: tuple(t.shape) for key, t in tensors.items()}, tensors.__getitem__
     raise ValueError(f"LoRA adapter {path}: no adapter_model.safetensors or adapter_model.bin")
 
 
@@ -92,14 +107,14 @@ def load_adapter(request: LoRARequest, model: CausalLM, max_rank: int) -> LoRAAd
         )
     alpha = float(config.get("lora_alpha", rank))
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    tensors = _read_tensors(path)
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    shapes, load = _open_tensors(path)
+    pairs: dict[str, dict[str, str]] = {}
+    for key in shapes:
         name = key.removeprefix(_PEFT_PREFIX)
         for part in ("lora_A", "lora_B"):
             suffix = f".{part}.weight"
             if name.endswith(suffix):
-                pairs.setdefault(name.removesuffix(suffix), {})[part] = tensor
+                pairs.setdefault(name.removesuffix(suffix), {})[part] = key
                 break
         else:
             raise ValueError(
@@ -108,21 +123,24 @@ def load_adapter(request: LoRARequest, model: CausalLM, max_rank: int) -> LoRAAd
             )
     if not pairs:
         raise ValueError(f"LoRA adapter {request.lora_name!r} holds no LoRA weights")
-    weights: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    targets: dict[tuple[str, int], tuple[str, str]] = {}
     for module_name, pair in pairs.items():
         if set(pair) != {"lora_A", "lora_B"}:
             raise ValueError(f"LoRA adapter {request.lora_name!r}: {module_name} lacks A or B")
         key, linear = _target(model, module_name, request.lora_name)
         size = linear.shard_sizes[key[1]]
-        a, b = pair["lora_A"], pair["lora_B"]
+        a, b = shapes[pair["lora_A"]], shapes[pair["lora_B"]]
         want_a, want_b = (rank, linear.weight.shape[1]), (size, rank)
-        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        if a != want_a or b != want_b:
             raise ValueError(
-                f"LoRA adapter {request.lora_name!r}: {module_name} has A {tuple(a.shape)} and "
-                f"B {tuple(b.shape)}; the base model needs {want_a} and {want_b} (an adapter "
-                "for another base model?)"
+                f"LoRA adapter {request.lora_name!r}: {module_name} has A {a} and B {b}; the "
+                f"base model needs {want_a} and {want_b} (an adapter for another base model?)"
             )
-        weights[key] = (a.to(model.dtype), (b.float() * scaling).to(model.dtype))
+        targets[key] = (pair["lora_A"], pair["lora_B"])
+    weights = {
+        key: (load(a).to(model.dtype), (load(b).float() * scaling).to(model.dtype))
+        for key, (a, b) in targets.items()
+    }
     return LoRAAdapter(request, rank, weights)
 
 

@@ -123,11 +123,22 @@ def test_bad_adapters_are_value_errors(tiny_llama, adapters, tmp_path) -> None:
     q_rows = llm.engine.arch.num_heads * llm.engine.arch.head_dim
     write_adapter(tmp_path / "wrong-base", 4, (4, hidden + 8), (q_rows, 4))
     write_adapter(tmp_path / "dora", 4, (4, hidden), (q_rows, 4), use_dora=True)
+    write_adapter(tmp_path / "truncated", 4, (4, hidden), (q_rows, 4))
+    data = (tmp_path / "truncated" / "adapter_model.safetensors").read_bytes()
+    (tmp_path / "truncated" / "adapter_model.safetensors").write_bytes(data[: len(data) // 2])
+    # 2 GiB claimed by a foreign adapter: refused from the header, before a byte is read
+    huge = tmp_path / "huge"
+    write_adapter(huge, 4, (4, hidden), (q_rows, 4))
+    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {
+        "dtype": "F32", "shape": [4, 1 << 27], "data_offsets": [0, 1 << 31]}}).encode()
+    (huge / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     cases = [
         (adapters["mlp-r16"], "rank 16"),  # above max_lora_rank 8
         (LoRARequest("wrong-base", 9, str(tmp_path / "wrong-base")), "another base model"),
         (LoRARequest("dora", 10, str(tmp_path / "dora")), "DoRA"),
         (LoRARequest("missing", 11, str(tmp_path / "nowhere")), "not a directory"),
+        (LoRARequest("truncated", 12, str(tmp_path / "truncated")), "unreadable safetensors"),
+        (LoRARequest("huge", 13, str(huge)), "unreadable safetensors"),
     ]
     for lora, message in cases:
         with pytest.raises(ValueError, match=message):
