@@ -210,13 +210,15 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
 
 
 def child_env() -> dict[str, str]:
-    """The children's environment: OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy.
+    """The children's environment: OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy
+    (OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT).
     serve's processes share the machine's cores, and an OpenMP thread that spins while
     waiting for work (libgomp's default) takes a core from the process that has work: with two
     nodes on two cores, a spinning idle node made the busy one up to ~10x slower
     (benchmarks/results/prefill_long_prompts_spinwait_*.json)."""
     env = dict(os.environ)
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "GOMP_SPINCOUNT" not in env:  # a chosen spin count is a policy too
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
