@@ -118,8 +118,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
 
 SMALL_ROWS_MAX = 128
 """Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
-layout (pack_small_rows): 1.6x oneDNN's speed at 1-16 rows on this CPU (20 vs 12.5 GB/s of
-weights read), still ahead at 128, even at 256 (benchmarks/small_rows_linear.py)."""
+layout (pack_small_rows): 1.55-1.6x oneDNN's speed at 1-16 rows on this CPU (20-21 vs 13 GB/s
+of weights read), 1.15x at 128, 0.92x at 256 (benchmarks/small_rows_linear.py)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
