@@ -14,12 +14,8 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,54 +23,33 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._serve import serve_stack  # noqa: E402
+
 logger = logging.getLogger("omp_wait_policy")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def one_round(model: str, policy: str, prompts: list[list[int]], max_tokens: int) -> float:
-    with tempfile.TemporaryDirectory() as tmp:
-        port, state = free_port(), Path(tmp) / "state.json"
-        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                "--model", model, "--served-model-name", "m", "--dtype", "bfloat16",
-                "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-                "--grpc-port", "0", "--state-file", str(state)]  # fmt: skip
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        if policy.startswith("SPIN"):  # libgomp's default policy with this spin count
-            env["GOMP_SPINCOUNT"] = policy.removeprefix("SPIN")
-        else:
-            env["OMP_WAIT_POLICY"] = policy
-        proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
-        try:
-            deadline = time.monotonic() + 600
-            while not state.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("pdserve serve did not come up")
-                time.sleep(0.2)
-            url = f"http://127.0.0.1:{port}/v1/completions"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    if policy.startswith("SPIN"):  # libgomp's default policy with this spin count
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("SPIN")
+    else:
+        env["OMP_WAIT_POLICY"] = policy
+    with serve_stack(model, "bfloat16", env=env) as base:
+        url = f"{base}/v1/completions"
 
-            def one(prompt: list[int]) -> None:
-                body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
-                        "temperature": 0, "ignore_eos": True}  # fmt: skip
-                reply = httpx.post(url, json=body, timeout=600)
-                reply.raise_for_status()
+        def one(prompt: list[int]) -> None:
+            body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens,
+                    "temperature": 0, "ignore_eos": True}  # fmt: skip
+            reply = httpx.post(url, json=body, timeout=600)
+            reply.raise_for_status()
 
-            one(prompts[0][:8])  # warm-up
-            start = time.monotonic()
-            with ThreadPoolExecutor(len(prompts)) as pool:
-                list(pool.map(one, prompts))
-            return time.monotonic() - start
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        one(prompts[0][:8])  # warm-up
+        start = time.monotonic()
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            list(pool.map(one, prompts))
+        return time.monotonic() - start
 
 
 def main() -> int:

@@ -15,18 +15,18 @@ import json
 import logging
 import os
 import random
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._serve import serve_stack  # noqa: E402
+
 logger = logging.getLogger("serve_long_prompt_ttft")
 
 
@@ -38,12 +38,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="prompts per length")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/serve_long_prompt_ttft.json"))
     return p.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ttft_s(url: str, prompt: list[int]) -> float:
@@ -69,32 +63,14 @@ def main() -> int:
         model = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     rng = random.Random(0)
     results: dict[int, list[float]] = {n: [] for n in args.lengths}
-    with tempfile.TemporaryDirectory() as tmp:
-        port, state = free_port(), Path(tmp) / "state.json"
-        argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                "--model", model, "--served-model-name", "m", "--dtype", args.dtype,
-                "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
-                "--grpc-port", "0", "--state-file", str(state)]  # fmt: skip
-        proc = subprocess.Popen(argv, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 600
-            while not state.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("pdserve serve did not come up")
-                time.sleep(0.2)
-            url = f"http://127.0.0.1:{port}/v1/completions"
-            ttft_s(url, [rng.randrange(100, 40000) for _ in range(300)])  # warm-up
-            for _ in range(args.runs):
-                for n in args.lengths:
-                    prompt = [rng.randrange(100, 40000) for _ in range(n)]
-                    results[n].append(ttft_s(url, prompt))
-                    logger.info("%d tokens: TTFT %.2f s", n, results[n][-1])
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    with serve_stack(model, args.dtype) as base:
+        url = f"{base}/v1/completions"
+        ttft_s(url, [rng.randrange(100, 40000) for _ in range(300)])  # warm-up
+        for _ in range(args.runs):
+            for n in args.lengths:
+                prompt = [rng.randrange(100, 40000) for _ in range(n)]
+                results[n].append(ttft_s(url, prompt))
+                logger.info("%d tokens: TTFT %.2f s", n, results[n][-1])
     rows = [{"prompt_tokens": n, "ttft_s": [round(t, 3) for t in ts],
              "median_ttft_s": round(statistics.median(ts), 3),
              "prompt_tokens_per_s": round(n / statistics.median(ts))}

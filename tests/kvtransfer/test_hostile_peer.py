@@ -118,15 +118,20 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
         blocks = np.arange(2 * LAYOUT.block_bytes, dtype=np.uint32).astype(np.uint8)
         baseline: list[int] = []
 
-        async def attack() -> None:
-            # one good transfer first, so the transport's own pools and buffers exist before
-            # the baseline is read (under load they can be tens of MiB)
+        async def send_good(transfer_id: str, transfer_token: str) -> None:
             sender = make_sender(kind)
             try:
-                header = TransferHeader("warm", LAYOUT, 0, 2, blocks.nbytes, token=warm_token)
+                header = TransferHeader(
+                    transfer_id, LAYOUT, 0, 2, blocks.nbytes, token=transfer_token
+                )
                 await sender.send(address, header, blocks, timeout_s=30)
             finally:
                 await sender.close()
+
+        async def attack() -> None:
+            # one good transfer first, so the transport's own pools and buffers exist before
+            # the baseline is read (under load they can be tens of MiB)
+            await send_good("warm", warm_token)
             baseline.append(stats()[0])
             claims = [bogus_header(f"forged-{i}", "0" * 32) for i in range(95)]
             claims += [bogus_header("good", "f" * 32) for _ in range(5)]  # right id, no token
@@ -141,12 +146,7 @@ def test_unauthenticated_claims_are_refused_without_allocating(kind):
                 else:
                     await claim_ucx(address, encoded, payload if i % 40 == 0 else None)
             # the receiver still serves the one peer that holds the token
-            sender = make_sender(kind)
-            try:
-                header = TransferHeader("good", LAYOUT, 0, 2, blocks.nbytes, token=token)
-                await sender.send(address, header, blocks, timeout_s=30)
-            finally:
-                await sender.close()
+            await send_good("good", token)
             if kind == "ucx":
                 from pdserve.kvtransfer.ucx import shutdown_ucx
 
