@@ -13,6 +13,7 @@ import mmap
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from pdserve.engine.attention import (
     attention_backend,
 )
 from pdserve.engine.lora.manager import LoRAManager
-from pdserve.engine.models.llama import CausalLM, use_cpu_fused_ops
+from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
 from pdserve.engine.parallel import TensorParallelGroup
@@ -115,8 +116,11 @@ class PagedModel:
         num_blocks: int,
         block_size: int,
         attention: AttentionBackend | None = None,
+        fused_ops: ModuleType | None = None,
     ) -> None:
+        """fused_ops: the compiled CPU layers the model runs on (cpu_ops()), None: torch's."""
         self.model = model
+        model.use_cpu_fused_ops(fused_ops)
         self.attention = attention or attention_backend("auto")
         """How this model's layers attend (engine/attention.py), chosen once here."""
         self.arch = arch
@@ -267,13 +271,12 @@ class ModelRunner(PagedModel):
         lora: LoRAManager | None = None,
         attention: AttentionBackend | None = None,
     ) -> None:
-        super().__init__(model, arch, dtype, num_blocks, block_size, attention)
+        ops = cpu_ops() if use_cpu_kernels else None
+        super().__init__(model, arch, dtype, num_blocks, block_size, attention, ops)
         self.lora = lora
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler()
-        ops = cpu_ops() if use_cpu_kernels else None
         use_cpu_sampling_ops(ops)
-        use_cpu_fused_ops(ops)
 
     @torch.inference_mode()
     def execute(

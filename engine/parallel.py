@@ -349,7 +349,6 @@ def _worker_main(
     """A worker rank: load its shard (or stage), allocate its KV cache, run every forward rank
     0 broadcasts until it broadcasts None."""
     from pdserve.engine.model_runner import zeroed_lazily
-    from pdserve.engine.models.llama import use_cpu_fused_ops
     from pdserve.engine.models.loader import load_model
     from pdserve.kernels.cpu import cpu_ops
 
@@ -360,7 +359,7 @@ def _worker_main(
     else:
         model, arch = load_model(model_dir, dtype, max_model_len, tp_rank=rank, tp_size=tp_size)
     full_kv_heads = arch.num_kv_heads
-    use_cpu_fused_ops(cpu_ops())  # attention: each forward's metadata names its backend
+    model.use_cpu_fused_ops(cpu_ops())  # attention: each forward's metadata names its backend
     sizes: list[Any] = [None]
     dist.broadcast_object_list(sizes, src=0)
     num_blocks, block_size = sizes[0]

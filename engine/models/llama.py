@@ -57,20 +57,18 @@ def _onednn_linear_available() -> bool:
 
 _ONEDNN = _onednn_linear_available()
 
-_fused: ModuleType | None = None
-"""Compiled fused layers (pdserve_kernels/cpu: rms_norm, fused_add_rms_norm, rotary_embedding,
-silu_and_mul), or None for the torch ops. Same rounding as the torch code below."""
 
+class UsesFusedOps:
+    """A module that can run on the compiled CPU layers (pdserve_kernels/cpu: fused_add_rms_norm,
+    rotary_embedding, silu_and_mul, linear_small_m): fused_ops is that module, or None for the
+    torch ops (same rounding as the torch code below). Set per model by
+    CausalLM.use_cpu_fused_ops, so two models in one process (a draft and its target, tests)
+    each run as their runner chose."""
 
-def use_cpu_fused_ops(ops: ModuleType | None) -> None:
-    """Run RMSNorm (+ residual add), RoPE and SiLU*up on CPU through the compiled fused kernels
-    (one pass over memory each instead of one per torch op), or through torch with None."""
-    global _fused
-    _fused = ops
+    fused_ops: ModuleType | None = None
 
-
-def _fusable(x: torch.Tensor) -> bool:
-    return _fused is not None and not x.is_cuda
+    def _fusable(self, x: torch.Tensor) -> bool:
+        return self.fused_ops is not None and not x.is_cuda
 
 
 def padded_rows(n: int) -> int:
@@ -143,25 +141,26 @@ def packed_linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None,
     small: torch.Tensor | None = None,
+    ops: ModuleType | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b): few rows through the AMX kernel (small: pack_small_rows' layout; while the
-    compiled layers are on), more through the oneDNN-packed weight when it pays off, else
-    F.linear."""
+    """x W^T (+ b): few rows through the AMX kernel (small: pack_small_rows' layout; ops: the
+    compiled layers, None while they are off), more through the oneDNN-packed weight when it
+    pays off, else F.linear."""
     if (
         small is not None
-        and _fused is not None
+        and ops is not None
         and x.shape[0] <= SMALL_ROWS_MAX
         and x.dim() == 2
         and x.stride(1) == 1
         and x.dtype == torch.bfloat16
     ):
-        return _fused.linear_small_m(x, small, weight.shape[0], bias)
+        return ops.linear_small_m(x, small, weight.shape[0], bias)
     if packed is not None and (x.dtype == torch.bfloat16 or x.shape[0] >= _ONEDNN_MIN_ROWS_FP32):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Module):
+class Linear(UsesFusedOps, nn.Module):
     """y = x W^T (+ b). shard_sizes: output rows of each checkpoint tensor fused into W."""
 
     def __init__(
@@ -186,13 +185,13 @@ class Linear(nn.Module):
         self.small = pack_small_rows(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = packed_linear(x, self.weight, self.packed, self.bias, self.small)
+        y = packed_linear(x, self.weight, self.packed, self.bias, self.small, self.fused_ops)
         if self.reduce is not None:
             self.reduce(y)
         return y if self.lora is None else self.lora.add_to(x, y)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(UsesFusedOps, nn.Module):
     """RMSNorm computed in float32, scaled in the input dtype (as transformers does)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
@@ -213,8 +212,8 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + x), residual + x). May reuse x's and residual's memory: both must
         be fresh activations no one else holds."""
-        if _fusable(x) and x.is_contiguous() and residual.is_contiguous():
-            _fused.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self._fusable(x) and x.is_contiguous() and residual.is_contiguous():
+            self.fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
             return x, residual
         residual = residual + x
         return self(residual), residual
@@ -262,7 +261,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
-class Attention(nn.Module):
+class Attention(UsesFusedOps, nn.Module):
     """Self-attention over the paged KV cache: fused q/k/v, optional per-head q/k norm, RoPE."""
 
     norm_class: ClassVar[Callable[[int, float, torch.dtype], nn.Module]] = RMSNorm
@@ -303,15 +302,15 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if _fusable(q):
-            _fused.rotary_embedding(q, k, cos, sin)  # in place, inside the fresh qkv output
+        if self._fusable(q):
+            self.fused_ops.rotary_embedding(q, k, cos, sin)  # in place, inside the fresh qkv output
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = meta.backend(q, k, v, kv_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class MLP(nn.Module):
+class MLP(UsesFusedOps, nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype) -> None:
         super().__init__()
         size = arch.intermediate_size
@@ -320,8 +319,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _fusable(gate_up):
-            return self.down_proj(_fused.silu_and_mul(gate_up))
+        if self._fusable(gate_up):
+            return self.down_proj(self.fused_ops.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -371,7 +370,7 @@ def make_lm_head(arch: ModelArch, dtype: torch.dtype) -> Linear | None:
     return Linear(arch.hidden_size, (arch.vocab_size,), False, dtype)
 
 
-class CausalLM(nn.Module):
+class CausalLM(UsesFusedOps, nn.Module):
     """A decoder over the paged KV cache, as the loader and the model runner use it. Subclasses
     build ``model.embed_tokens``, ``model.layers`` and ``lm_head`` (None when tied) and
     implement forward. Parameter names are the checkpoint's, except the fused ``qkv_proj`` and
@@ -429,8 +428,18 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             return self.lm_head(hidden)[:n].float()
         weight = self.model.embed_tokens.weight
-        head = packed_linear(hidden, weight, self._packed_tied_head, None, self._small_tied_head)
+        head = packed_linear(
+            hidden, weight, self._packed_tied_head, None, self._small_tied_head, self.fused_ops
+        )
         return head[:n].float()
+
+    def use_cpu_fused_ops(self, ops: ModuleType | None) -> None:
+        """Run this model's RMSNorm (+ residual add), RoPE, SiLU*up and few-row products on
+        CPU through the compiled kernels (one pass over memory each instead of one per torch
+        op), or through torch with None."""
+        for module in self.modules():
+            if isinstance(module, UsesFusedOps):
+                module.fused_ops = ops
 
     def pack_weights(self) -> None:
         """Reorder every projection's weight for oneDNN and the few-row kernel (after loading;

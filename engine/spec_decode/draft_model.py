@@ -38,6 +38,7 @@ from pdserve.engine.sampler import (
     random_sample,
 )
 from pdserve.engine.spec_decode.proposer import Proposal
+from pdserve.kernels.cpu import cpu_ops
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class DraftModelProposer:
             )
         model, arch = load_model(model_dir, dtype, max_model_len)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
-        self.model = PagedModel(model, arch, next(model.parameters()).dtype, num_blocks, block_size)
+        dtype = next(model.parameters()).dtype
+        self.model = PagedModel(model, arch, dtype, num_blocks, block_size, fused_ops=cpu_ops())
         self.num_computed: dict[str, int] = {}
         """Request id -> leading tokens of the request whose KV this draft holds."""
 

@@ -62,7 +62,7 @@ def test_bad_shapes_are_refused_with_an_error(ops):
         ops.linear_small_m(torch.randn(2, 64), packed, 64)
 
 
-def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops, monkeypatch):
+def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
     g = torch.Generator().manual_seed(2)
     layer = llama.Linear(256, (96, 32), bias=True, dtype=torch.bfloat16)
     layer.weight.copy_(torch.randn(128, 256, generator=g))
@@ -80,12 +80,12 @@ def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops, monkeypatc
             calls.append(args[0].shape[0])
             return real(*args)
 
-    monkeypatch.setattr(llama, "_fused", Spy())
+    layer.fused_ops = Spy()
     for rows in (1, 3, llama.SMALL_ROWS_MAX, llama.SMALL_ROWS_MAX + 8, 512):
         x = torch.randn(rows, 256, generator=g).bfloat16()
         want = reference(x, layer.weight, layer.bias)
         torch.testing.assert_close(layer(x).double(), want, rtol=2**-7, atol=0.05)
     assert calls == [1, 3, llama.SMALL_ROWS_MAX]
-    monkeypatch.setattr(llama, "_fused", None)  # compiled layers off: oneDNN / F.linear only
+    layer.fused_ops = None  # compiled layers off: oneDNN / F.linear only
     layer(torch.randn(2, 256).bfloat16())
     assert calls == [1, 3, llama.SMALL_ROWS_MAX]

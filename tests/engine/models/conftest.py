@@ -7,7 +7,6 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.engine.attention import CpuAttention, TorchAttention
-from pdserve.engine.models import llama
 from pdserve.kernels.cpu import cpu_ops
 from tests.engine.models.test_llama_vs_hf import PagedSeqs
 
@@ -21,9 +20,8 @@ def layer_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "cpu_kernels":
         ops = cpu_ops()
         assert ops is not None, "the CPU kernels must build on this machine (gcc + ninja)"
-    saved = llama._fused, PagedSeqs.attention
-    llama.use_cpu_fused_ops(ops)
+    saved = PagedSeqs.fused_ops, PagedSeqs.attention
+    PagedSeqs.fused_ops = ops
     PagedSeqs.attention = CpuAttention(ops) if ops is not None else TorchAttention()
     yield request.param
-    llama.use_cpu_fused_ops(saved[0])
-    PagedSeqs.attention = saved[1]
+    PagedSeqs.fused_ops, PagedSeqs.attention = saved

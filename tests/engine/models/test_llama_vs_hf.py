@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -40,10 +41,13 @@ class PagedSeqs:
 
     attention: AttentionBackend = TorchAttention()
     """The attention backend its steps' metadata names (conftest's layer_kernels sets it)."""
+    fused_ops: ModuleType | None = None
+    """The compiled layers its model runs on (conftest's layer_kernels sets them)."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 64) -> None:
         shape = model.kv_cache_shape(num_blocks, BLOCK_SIZE)
         self.model = model
+        model.use_cpu_fused_ops(self.fused_ops)
         self.kv_caches = [
             torch.zeros(shape, dtype=model.dtype) for _ in range(model.arch.num_layers)
         ]
