@@ -1,7 +1,8 @@
 """CPU kernels compiled once per build key and cached (torch.utils.cpp_extension): paged decode
-attention and the K/V store (paged_attention.cpp), the fused RMSNorm / residual-add +
-RMSNorm / RoPE / SiLU*up layers (fused_ops.cpp) and the sampler's row argmax
-(sampling_ops.cpp), AVX-512 where the compiler targets it, scalar otherwise.
+attention and the K/V store (paged_attention.cpp), paged prefill attention
+(prefill_attention.cpp), the fused RMSNorm / residual-add + RMSNorm / RoPE / SiLU*up layers
+(fused_ops.cpp), the sampler's row argmax (sampling_ops.cpp) and the few-row bf16 products of
+decode steps (linear.cpp, AMX only), AVX-512 where the compiler targets it, scalar otherwise.
 
 The cache (pdserve_kernels/cache.py, kind "cpu_kernels") holds one folder per build key: a hash
 of the sources, the compiler flags, the -march, torch's and Python's versions, then a hash of
@@ -164,8 +165,9 @@ def _build(root: str, key: tuple[str, str | None]) -> str:
 
 @functools.cache
 def cpu_ops() -> ModuleType | None:
-    """The compiled module (paged_decode_attention, store_kv, rms_norm, fused_add_rms_norm,
-    rotary_embedding, silu_and_mul, argmax_rows), built if this key has no build yet, or None
+    """The compiled module (paged_decode_attention, paged_prefill_attention_out, store_kv,
+    rms_norm, fused_add_rms_norm, rotary_embedding, silu_and_mul, argmax_rows,
+    pack_linear_weight / linear_small_m), built if this key has no build yet, or None
     if it cannot be built. Set PDSERVE_CPU_KERNELS=0 to force the pure-torch path."""
     if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
         return None

@@ -1,5 +1,5 @@
 // Small vector helpers shared by the CPU kernels (paged_attention.cpp, prefill_attention.cpp,
-// fused_ops.cpp).
+// fused_ops.cpp, linear.cpp), and the AMX tile state (prefill_attention.cpp, linear.cpp).
 #pragma once
 
 #include <c10/util/BFloat16.h>
