@@ -20,6 +20,10 @@
 //
 // Tasks are ordered by cost (longest first) and handed out dynamically to torch's threads, so
 // one long prompt keeps every core busy. The products, by what the CPU has (fastest first):
+//   bf16, AMX, head_dim 64 (SmolLM2, Llama 3.2 1B, Qwen2.5 0.5B): the products transposed
+//     (S^T = K Q^T, O^T += V^T P^T) so the softmax is all element-wise, O^T resident in tiles
+//     from the first key to the last, a lazily moved max, tasks' blocks walking the keys in
+//     128-key chunks together (BlockT64 below: ~2x the layout that follows);
 //   bf16, AMX (head_dim % 64 == 0, tile state granted by the OS): both products on the tile
 //     unit, P rounded to bf16 as FlashAttention does on GPUs, fp32 sums; the vectorised
 //     softmax is then most of the time;
@@ -378,13 +382,13 @@ struct Scratch {
 
 // Packs keys [start, start + nk) of one kv head: K transposed (float: [D, 64]; bf16: [D/2, 64, 2])
 // and V (float: [64, D]; bf16: [32, D, 2]), zero past nk. Reads only the blocks holding them.
-template <typename T, typename E>
+template <typename T, typename E, bool kKeysByRow = false>
 void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t start,
                int64_t nk, E* kp, E* vp) {
   const int64_t d = b.head_dim, bs = b.block_size;
   const int64_t head_stride = bs * d, kv_stride = b.num_kv_heads * head_stride;
   constexpr bool kPairs = !std::is_same_v<E, float>;
-  std::fill(kp, kp + kKeyTile * d, E(0.f));
+  if (!kKeysByRow || nk < kKeyTile) std::fill(kp, kp + kKeyTile * d, E(0.f));
   if (nk < kKeyTile) std::fill(vp, vp + kKeyTile * d, E(0.f));
   for (int64_t j = 0; j < nk;) {
     const int64_t pos = start + j, in_block = pos % bs;
@@ -393,6 +397,11 @@ void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t
                      in_block * d;
     const T* vrows = krows + kv_stride;
     for (int64_t jj = j; jj < j + n; ++jj, krows += d, vrows += d) {
+      if constexpr (kKeysByRow) {  // K as stored [64, D]; V transposed [D, 64]
+        std::copy(krows, krows + d, kp + jj * d);
+        for (int64_t i = 0; i < d; ++i) vp[i * kKeyTile + jj] = vrows[i];
+        continue;
+      }
       for (int64_t i = 0; i < d; ++i) {
         if constexpr (kPairs) {
           kp[(i / 2) * 2 * kKeyTile + 2 * jj + (i & 1)] = krows[i];
@@ -423,7 +432,7 @@ struct PackedKV {
   }
 };
 
-template <typename T, typename E>
+template <typename T, typename E, bool kKeysByRow = false>
 PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
   PackedKV<E> kv;
   kv.num_kv_heads = b.num_kv_heads, kv.head_dim = b.head_dim;
@@ -444,7 +453,8 @@ PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
       const int64_t h = (i - kv.base[s]) / per_head, t = kv.first_tile[s] + (i - kv.base[s]) % per_head;
       const int64_t start = t * kKeyTile, nk = std::min(kKeyTile, b.context_len[s] - start);
       E* kp = kv.data.data() + i * 2 * kKeyTile * b.head_dim;
-      pack_tile(b, b.tables + s * b.table_stride, h, start, nk, kp, kp + kKeyTile * b.head_dim);
+      pack_tile<T, E, kKeysByRow>(b, b.tables + s * b.table_stride, h, start, nk, kp,
+                                  kp + kKeyTile * b.head_dim);
     }
   });
   return kv;
@@ -570,6 +580,225 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
 #endif
 }
 
+#if defined(PDSERVE_AMX)
+// ---- AMX, head_dim 64, transposed: S^T = K Q^T and O^T += V^T P^T ---------------------------
+// 16 query rows (consecutive positions of one query head) at a time, over all their keys,
+// 32 keys a step, with O^T [64 dims, 16 rows] resident in tiles 0-3 from the first key to the
+// last. Transposing the products makes every softmax operation vertical: a zmm holds one key's
+// scores for the 16 rows, so the rows' maxima, exps and sums are element-wise (no horizontal
+// reductions, no per-row loops), and P^T comes out of the exps already in the B-operand layout
+// (key pairs interleaved). The running max is updated lazily (as FlashAttention-4 does): a
+// row's exps are taken against a reference max that moves only when a score exceeds it by
+// more than 2^kLazyLog2, so after a row's first keys the accumulator tiles are almost never
+// stored, rescaled and reloaded. Tiles: 0-3 O^T, 4-5 S^T (two 16-key halves), 6 K or V^T
+// (A operands), 7 Q^T or P^T (B operands). K is packed as stored ([64 keys, 64]) and V
+// transposed ([64 dims, 64 keys]), both A operands.
+constexpr float kLazyLog2 = 8.f;  // P <= 2^8 between rescales: exact in fp32 sums, bf16 P
+
+// 2^t on the masked lanes (0 elsewhere), t <= kLazyLog2: a degree-3 polynomial of 2^f on
+// [-1/2, 1/2], 8e-5 relative (P is then rounded to bf16, 2^-9).
+inline __m512 exp2_lanes(__m512 t, __mmask16 lanes) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(5.5088684e-2f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4260405e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9327623e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9992895e-1f));
+  return _mm512_maskz_scalef_ps(lanes, p, n);
+}
+
+// Lanes r (rows at positions first_pos + r) that see the key at position key.
+inline __mmask16 rows_seeing(int64_t key, int64_t first_pos, int64_t window) {
+  const int64_t from = key - first_pos;  // causal: rows r >= from
+  uint32_t m = from <= 0 ? 0xFFFFu : from >= 16 ? 0u : (0xFFFFu << from) & 0xFFFFu;
+  if (window > 0) {  // and rows r < from + window
+    const int64_t to = from + window;
+    m &= to >= 16 ? 0xFFFFu : to <= 0 ? 0u : (1u << to) - 1;
+  }
+  return static_cast<__mmask16>(m);
+}
+
+// S^T [32 keys, 16 rows] = K Q^T of the 32 keys at k (packed [keys, 64]) into st, on tiles
+// 4-5 (accumulators), 6 (K) and 7 (Q^T pairs qt).
+inline void scores_t64(const c10::BFloat16* k, const uint32_t* qt, float* st) {
+  constexpr int kRow = 64 * 2;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(7, qt, 64);
+  _tile_loadd(6, k, kRow);
+  _tile_dpbf16ps(4, 6, 7);
+  _tile_loadd(6, k + 16 * 64, kRow);
+  _tile_dpbf16ps(5, 6, 7);
+  _tile_loadd(7, qt + 256, 64);
+  _tile_loadd(6, k + 32, kRow);
+  _tile_dpbf16ps(4, 6, 7);
+  _tile_loadd(6, k + 16 * 64 + 32, kRow);
+  _tile_dpbf16ps(5, 6, 7);
+  _tile_stored(4, st, 64);
+  _tile_stored(5, st + 256, 64);
+}
+
+// One block of 16 query rows (consecutive positions of one query head) and its state between
+// key chunks: Q^T in the B-operand pair layout, O^T spilled from its tiles, the rows'
+// reference max (log2 units; exps are taken against it) and sum of exps.
+struct BlockT64 {
+  alignas(64) uint32_t qt[2 * 16 * 16];  // [2 dim halves][16 dim pairs][16 rows]
+  alignas(64) float ot[64 * 16];         // [64 dims][16 rows]
+  alignas(64) float ref[16], sum[16];
+  int64_t head, first_token, first_pos, nr;
+  bool live;  // whether O^T holds anything yet
+
+  template <typename T>
+  void start(const Batch<T>& b, int64_t head_, int64_t first_token_, int64_t first_pos_,
+             int64_t nr_) {
+    head = head_, first_token = first_token_, first_pos = first_pos_, nr = nr_, live = false;
+    std::memset(qt, 0, sizeof(qt));
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint32_t* src =
+          reinterpret_cast<const uint32_t*>(b.q + (first_token + r) * b.q_row + head * 64);
+      for (int64_t dp = 0; dp < 32; ++dp) qt[(dp / 16) * 256 + (dp % 16) * 16 + r] = src[dp];
+    }
+    std::fill(ref, ref + 16, kNoScore);
+    std::fill(sum, sum + 16, 0.f);
+  }
+
+  // Writes the rows' outputs (O / sum).
+  template <typename T>
+  void finish(const Batch<T>& b) const {
+    for (int64_t r = 0; r < nr; ++r) {
+      const float inv = 1.f / sum[r];  // > 0: every row sees its own position
+      T* dst = b.out + (first_token + r) * b.out_row + head * 64;
+      for (int64_t x = 0; x < 64; ++x) dst[x] = static_cast<T>(ot[16 * x + r] * inv);
+    }
+  }
+
+  inline void spill() {
+    _tile_stored(0, ot, 64);
+    _tile_stored(1, ot + 256, 64);
+    _tile_stored(2, ot + 512, 64);
+    _tile_stored(3, ot + 768, 64);
+  }
+  inline void fill() {
+    _tile_loadd(0, ot, 64);
+    _tile_loadd(1, ot + 256, 64);
+    _tile_loadd(2, ot + 512, 64);
+    _tile_loadd(3, ot + 768, 64);
+  }
+
+  // Attends to the keys in [from, to) (multiples of 32) the rows see. The steps are
+  // software-pipelined: step i + 1's scores are issued before step i's softmax, so the tile
+  // unit and the vector units overlap.
+  template <typename T>
+  void advance(const Batch<T>& b, const PackedKV<c10::BFloat16>& kv, int64_t seq,
+               int64_t kv_head, int64_t from, int64_t to) {
+    const int64_t last_pos = first_pos + nr - 1;
+    const int64_t begin = std::max(from, first_visible(first_pos, b.window) / 32 * 32);
+    const int64_t end = std::min(to, last_pos + 1);
+    if (begin >= end) return;
+    alignas(64) float st[2][32 * 16];  // S^T of two steps: [32 keys][16 rows]
+    alignas(64) uint32_t pt[16 * 16];  // P^T pairs: [16 key pairs][16 rows]
+    const __m512 cv = _mm512_set1_ps(b.scale * 1.44269504088896341f);  // scores -> log2 units
+    const __m512i interleave = _mm512_set_epi16(
+        31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6, 21, 5, 20,
+        4, 19, 3, 18, 2, 17, 1, 16, 0);
+    auto tile = [&](int64_t key0) { return kv.k(seq, kv_head, key0 / kKeyTile); };
+    __m512 rv = _mm512_load_ps(ref), sv = _mm512_load_ps(sum);
+    if (live) {
+      fill();
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    scores_t64(tile(begin) + begin % kKeyTile * 64, qt, st[0]);
+    for (int64_t key0 = begin, i = 0; key0 < end; key0 += 32, ++i) {
+      if (key0 + 32 < end) scores_t64(tile(key0 + 32) + (key0 + 32) % kKeyTile * 64, qt,
+                                      st[(i + 1) & 1]);
+      const float* sc = st[i & 1];
+      // Which rows see which of the 32 keys: all of them away from the diagonal and window.
+      const bool all = key0 + 31 <= first_pos &&
+                       (b.window == 0 || key0 >= first_visible(last_pos, b.window));
+      __mmask16 seen[32];
+      __m512 top = _mm512_set1_ps(kNoScore);
+      for (int j = 0; j < 32; ++j) {
+        seen[j] = all ? __mmask16(0xFFFF) : rows_seeing(key0 + j, first_pos, b.window);
+        top = _mm512_mask_max_ps(top, seen[j], top, _mm512_load_ps(sc + 16 * j));
+      }
+      top = _mm512_mul_ps(top, cv);  // c > 0
+      const __mmask16 grow =
+          _mm512_cmp_ps_mask(top, _mm512_add_ps(rv, _mm512_set1_ps(kLazyLog2)), _CMP_GT_OQ);
+      if (grow) {  // these rows' reference max moves up to this step's max
+        const __m512 moved = _mm512_mask_mov_ps(rv, grow, top);
+        const __m512 factor = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), grow,
+                                                 exp2_lanes(_mm512_sub_ps(rv, moved), grow));
+        sv = _mm512_mul_ps(sv, factor);
+        rv = moved;
+        if (live) {
+          spill();
+          for (int64_t x = 0; x < 64; ++x)
+            _mm512_store_ps(ot + 16 * x, _mm512_mul_ps(_mm512_load_ps(ot + 16 * x), factor));
+          fill();
+        }
+      }
+      __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int j = 0; j < 32; j += 2) {
+        const __m512 e0 =
+            exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(sc + 16 * j), cv, rv), seen[j]);
+        const __m512 e1 =
+            exp2_lanes(_mm512_fmsub_ps(_mm512_load_ps(sc + 16 * j + 16), cv, rv), seen[j + 1]);
+        sums[0] = _mm512_add_ps(sums[0], e0);
+        sums[1] = _mm512_add_ps(sums[1], e1);
+        _mm512_store_si512(pt + 8 * j, _mm512_permutexvar_epi16(
+                                           interleave, (__m512i)_mm512_cvtne2ps_pbh(e1, e0)));
+      }
+      sv = _mm512_add_ps(sv, _mm512_add_ps(sums[0], sums[1]));
+      // O^T += V^T P^T. (Tiles are not renamed: the V^T loads rotate over 6, 4 and 5, free
+      // once the scores are stored, so a load need not wait for the product reading the last.)
+      const c10::BFloat16* vt = tile(key0) + kKeyTile * 64 + key0 % kKeyTile;
+      constexpr int kRow = kKeyTile * 2;
+      _tile_loadd(7, pt, 64);
+      _tile_loadd(6, vt, kRow);
+      _tile_loadd(4, vt + 16 * kKeyTile, kRow);
+      _tile_dpbf16ps(0, 6, 7);
+      _tile_loadd(5, vt + 32 * kKeyTile, kRow);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, vt + 48 * kKeyTile, kRow);
+      _tile_dpbf16ps(2, 5, 7);
+      _tile_dpbf16ps(3, 6, 7);
+      live = true;
+    }
+    spill();
+    _mm512_store_ps(ref, rv);
+    _mm512_store_ps(sum, sv);
+  }
+};
+
+// The task's blocks (16 rows of one query head each) walk the keys together, a chunk of
+// kKeyChunk keys at a time: a chunk's K/V (32 KiB) is read from memory once and then from
+// the core's caches by every block of the task (FlashAttention keeps a K/V tile in shared
+// memory the same way), instead of each block streaming the whole context.
+constexpr int64_t kKeyChunk = 128;
+constexpr int64_t kQueryTileT64 = 64;  // query rows per task on this path
+
+template <typename T>
+void run_task_t64(const Batch<T>& b, const PackedKV<c10::BFloat16>& kv, const Task& t,
+                  std::vector<BlockT64>& blocks) {
+  const int64_t qlen = b.query_len[t.seq], ctx = b.context_len[t.seq];
+  const int64_t first_pos = ctx - qlen + t.q_begin, last_pos = ctx - qlen + t.q_end - 1;
+  blocks.resize(b.group * ((t.q_end - t.q_begin + 15) / 16));
+  int64_t n = 0;
+  for (int64_t g = 0; g < b.group; ++g)
+    for (int64_t i = t.q_begin; i < t.q_end; i += 16)
+      blocks[n++].start(b, t.kv_head * b.group + g, b.query_start[t.seq] + i, ctx - qlen + i,
+                        std::min<int64_t>(16, t.q_end - i));
+  for (int64_t from = first_visible(first_pos, b.window) / kKeyChunk * kKeyChunk;
+       from <= last_pos; from += kKeyChunk)
+    for (BlockT64& block : blocks) block.advance(b, kv, t.seq, t.kv_head, from, from + kKeyChunk);
+  for (const BlockT64& block : blocks) block.finish(b);
+}
+#endif  // PDSERVE_AMX
+
 template <typename T, typename E, int kD, bool kAmx>
 void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E>& w) {
   const int64_t d = kD > 0 ? kD : b.head_dim, group = b.group;
@@ -624,12 +853,13 @@ void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E
 // ---- the call ------------------------------------------------------------------------------
 
 template <typename T>
-std::vector<Task> make_tasks(const Batch<T>& b, int64_t num_seqs) {
+std::vector<Task> make_tasks(const Batch<T>& b, int64_t num_seqs,
+                             int64_t query_tile = kQueryTile) {
   std::vector<Task> tasks;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = b.query_len[s], first_pos = b.context_len[s] - qlen;
-    for (int64_t q0 = 0; q0 < qlen; q0 += kQueryTile) {
-      const int64_t q1 = std::min(qlen, q0 + kQueryTile);
+    for (int64_t q0 = 0; q0 < qlen; q0 += query_tile) {
+      const int64_t q1 = std::min(qlen, q0 + query_tile);
       const int64_t keys = first_pos + q1 - first_visible(first_pos + q0, b.window);
       const int64_t cost = (q1 - q0) * (keys + kKeyTile);  // + kKeyTile: the task's fixed cost
       for (int64_t h = 0; h < b.num_kv_heads; ++h) tasks.push_back({s, h, q0, q1, cost});
@@ -640,6 +870,23 @@ std::vector<Task> make_tasks(const Batch<T>& b, int64_t num_seqs) {
                    [](const Task& x, const Task& y) { return x.cost > y.cost; });
   return tasks;
 }
+
+#if defined(PDSERVE_AMX)
+template <typename T>
+void prefill_t64(const Batch<T>& b, int64_t num_seqs) {
+  const PackedKV<c10::BFloat16> kv = pack_visible<T, c10::BFloat16, true>(b, num_seqs);
+  const std::vector<Task> tasks = make_tasks(b, num_seqs, kQueryTileT64);
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    const FlushDenormals flush;
+    const AmxTiles tiles;
+    std::vector<BlockT64> blocks;
+    for (int64_t i = next++; i < n; i = next++) run_task_t64(b, kv, tasks[i], blocks);
+  });
+}
+#endif
 
 template <typename T, typename E, int kD, bool kAmx = false>
 void prefill(const Batch<T>& b, int64_t num_seqs) {
@@ -662,7 +909,10 @@ template <typename T, int kD>
 void prefill_math(const Batch<T>& b, int64_t num_seqs) {
 #if defined(PDSERVE_AMX)
   if constexpr (std::is_same_v<T, c10::BFloat16> && kD > 0 && kD % 64 == 0) {
-    if (amx_granted()) return prefill<T, c10::BFloat16, kD, true>(b, num_seqs);  // tile unit
+    if (amx_granted()) {  // the tile unit
+      if constexpr (kD == 64) return prefill_t64(b, num_seqs);
+      return prefill<T, c10::BFloat16, kD, true>(b, num_seqs);
+    }
   }
 #endif
   if constexpr (std::is_same_v<T, c10::BFloat16> && kVectorKernels<c10::BFloat16, kD>)

@@ -25,9 +25,11 @@ def ops():
 
 class Batch:
     """Prefill sequences (query_len, context_len) with random K/V in a paged cache of shuffled
-    blocks; every block no sequence owns (the null block 0 included) is NaN."""
+    blocks; every block no sequence owns (the null block 0 included) is NaN. key_ramp: keys
+    scaled from 1x at position 0 to key_ramp x at the last, so scores keep growing along the
+    context (every new K/V tile moves the softmax's running max)."""
 
-    def __init__(self, seqs, hq, hkv, d, block_size, dtype, seed=0):
+    def __init__(self, seqs, hq, hkv, d, block_size, dtype, seed=0, key_ramp=None):
         g = torch.Generator().manual_seed(seed)
         self.seqs, self.block_size = seqs, block_size
         counts = [-(-ctx // block_size) for _, ctx in seqs]
@@ -39,7 +41,10 @@ class Batch:
         for i, ((_, ctx), nb) in enumerate(zip(seqs, counts, strict=True)):
             self.tables[i, :nb] = perm[used : used + nb]
             used += nb
-            k = torch.randn(ctx, hkv, d, generator=g).to(dtype)
+            k = torch.randn(ctx, hkv, d, generator=g)
+            if key_ramp is not None:
+                k *= torch.linspace(1.0, key_ramp, ctx).view(ctx, 1, 1)
+            k = k.to(dtype)
             v = torch.randn(ctx, hkv, d, generator=g).to(dtype)
             for pos in range(ctx):
                 block = self.tables[i, pos // block_size]
@@ -81,12 +86,13 @@ class Batch:
         return torch.cat(outs)
 
 
-def check(ops, seqs, hq, hkv, d, block_size, dtype=torch.float32, window=0, seed=0):
-    batch = Batch(seqs, hq, hkv, d, block_size, dtype, seed)
+def check(ops, seqs, hq, hkv, d, block_size, dtype=torch.float32, window=0, seed=0, key_ramp=None,
+          fp32_tol=1e-5):
+    batch = Batch(seqs, hq, hkv, d, block_size, dtype, seed, key_ramp)
     scale = d**-0.5
     out = batch.run(ops, scale, window)
     assert torch.isfinite(out).all(), "read a NaN block outside a sequence's context"
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    tol = fp32_tol if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), batch.reference(scale, window), atol=tol, rtol=tol)
 
 
@@ -109,13 +115,25 @@ def test_other_head_dims(ops, dtype, d):
     check(ops, [(40, 40), (20, 90), (1, 70)], 4, 2, d, block_size=8, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_prefix_hit_at_every_block_offset(ops, block_size):
+def test_prefix_hit_at_every_block_offset(ops, block_size, dtype):
     """A prefix hit of `cached` tokens, then a chunk: every offset within a block (and across
     the K/V tile boundary) as the first query position."""
     seqs = [(ctx - cached, ctx) for cached in range(0, 2 * block_size + 1) for ctx in [cached + 7]]
-    seqs += [(50, 50 + cached) for cached in (63, 64, 65)]
-    check(ops, seqs, 6, 2, 64, block_size)
+    seqs += [(50, 50 + cached) for cached in (31, 32, 33, 63, 64, 65, 127, 128, 129)]
+    check(ops, seqs, 6, 2, 64, block_size, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 100])
+def test_scores_growing_along_the_context(ops, dtype, window):
+    """Keys scaled up along the context (scores up to ~40x larger at the end): the running max
+    moves on most K/V tiles, so the accumulators are rescaled mid-row (the bf16 AMX path
+    rescales lazily, only when a score exceeds the reference by 2^8) and stay exact. (fp32 at
+    1e-4: scores in the hundreds carry ~1e-5 of rounding into their exps on any path.)"""
+    seqs = [(700, 700), (300, 1100), (40, 40)]
+    check(ops, seqs, 9, 3, 64, 16, dtype=dtype, window=window, key_ramp=40.0, fp32_tol=1e-4)
 
 
 def test_chunk_boundaries_of_one_prompt(ops):
