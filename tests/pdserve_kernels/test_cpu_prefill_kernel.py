@@ -86,8 +86,19 @@ class Batch:
         return torch.cat(outs)
 
 
-def check(ops, seqs, hq, hkv, d, block_size, dtype=torch.float32, window=0, seed=0, key_ramp=None,
-          fp32_tol=1e-5):
+def check(
+    ops,
+    seqs,
+    hq,
+    hkv,
+    d,
+    block_size,
+    dtype=torch.float32,
+    window=0,
+    seed=0,
+    key_ramp=None,
+    fp32_tol=1e-5,
+):
     batch = Batch(seqs, hq, hkv, d, block_size, dtype, seed, key_ramp)
     scale = d**-0.5
     out = batch.run(ops, scale, window)
