@@ -1,0 +1,124 @@
+"""Decode at long context: where a decode step's time goes once every request holds thousands
+of tokens, and the decode attention kernel's bytes/s against this machine's read bandwidth.
+
+Four prompts of L random tokens are prefilled once (max_tokens 1); the same prompts then decode
+64 tokens each twice over prefix-cache hits (their prefill is one token), the second time under
+torch.profiler with the compiled kernels wrapped in record_function. Also measured here: a
+plain 2-thread read of a 1 GiB fp32 tensor (torch.sum), the ceiling a bandwidth-bound kernel
+is compared with.
+
+    .venv/bin/python benchmarks/decode_long_context.py --model build/gguf/SmolLM2-135M-Instruct.Q4_1-<key>
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True, help="HF-format model directory or GGUF file")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompt-len", type=int, default=7680, help="tokens per prompt (L)")
+    p.add_argument("--num-requests", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per request")
+    p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_long_context.json"))
+    return p.parse_args()
+
+
+def read_bandwidth() -> float:
+    """GB/s of torch.sum over 1 GiB of fp32 (best of 5), with the current thread count."""
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def main() -> None:
+    args = parse_args()
+    llm = LLM(model=args.model, dtype=args.dtype)
+    backend = llm.engine.runner.attention
+    kernels = backend.kernels
+    assert kernels is not None and kernels.decode is not None, "the CPU kernels did not build"
+
+    def traced(name, fn):
+        def call(*a):
+            with record_function(name):
+                return fn(*a)
+
+        return call
+
+    backend.kernels = dataclasses.replace(
+        kernels,
+        decode=traced("pdserve::decode_attention", kernels.decode),
+        prefill=traced("pdserve::prefill_attention", kernels.prefill),
+        store=traced("pdserve::kv_store", kernels.store),
+    )
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(17, 49152) for _ in range(args.prompt_len)] for _ in range(args.num_requests)
+    ]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                 use_tqdm=False)  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    plain_s = time.perf_counter() - t0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        profiled_s = time.perf_counter() - t0
+    events = {e.key: e for e in prof.key_averages()}
+    decode = events["pdserve::decode_attention"]
+    arch = llm.engine.runner.arch
+    layers = decode.count // max(1, args.max_tokens - 1)
+    kv_heads, head_dim = arch.num_kv_heads, arch.head_dim
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    context = args.prompt_len + args.max_tokens / 2  # mean context over the decode steps
+    bytes_per_call = args.num_requests * context * kv_heads * head_dim * 2 * itemsize
+    call_s = decode.self_cpu_time_total / 1e6 / decode.count
+    steps = args.max_tokens - 1
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "prompt_len": args.prompt_len,
+        "num_requests": args.num_requests,
+        "decode_run_s": round(plain_s, 3),
+        "ms_per_step": round(plain_s / steps * 1e3, 1),
+        "profiled_run_s": round(profiled_s, 3),
+        "decode_attention_ms_per_step": round(decode.self_cpu_time_total / 1e3 / steps, 1),
+        "decode_attention_ms_per_call": round(call_s * 1e3, 3),
+        "layers": layers,
+        "kv_bytes_per_call": int(bytes_per_call),
+        "decode_attention_gb_s": round(bytes_per_call / call_s / 1e9, 1),
+        "read_bandwidth_gb_s": round(read_bandwidth(), 1),
+        "threads": torch.get_num_threads(),
+    }
+    top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
+    result["top_ops"] = [
+        {"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count}
+        for e in top
+    ]
+    print(json.dumps(result, indent=2))
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
