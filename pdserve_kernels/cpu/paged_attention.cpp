@@ -175,12 +175,109 @@ inline void accumulate_v(float* acc, const float* w, const float* rescale, const
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 V (head_dim % 32 == 0): acc[g] = acc[g] * rescale[g] + sum_j p[g][j] v_j on the bf16
+// dot-product instruction, two keys at a time: rows j and j + 1 interleaved (unpacklo/hi:
+// one instruction per 32 dims each) pair each dim's two values, and one vdpbf16ps adds both
+// keys' terms for 16 dims. P is rounded to bf16 (as FlashAttention does; the fp32 path keeps
+// fp32 weights). acc is kept in that interleaving's dim order: per 32 dims, lanes
+// [0-3, 8-11, 16-19, 24-27] then [4-7, 12-15, 20-23, 28-31] (unpermute_pairs puts it back).
+// Rows past n are read as zeros (their weights are 0, but their memory is another head's).
+template <int kD, int G>
+inline void accumulate_v_pairs(float* acc, const float* w, const float* rescale,
+                               const c10::BFloat16* v, int64_t n) {
+  constexpr int kChunks = kD / 32;  // 32-dim chunks, two accumulators each per head
+  constexpr int kAtOnce = slices_at_once(kChunks, 2 * G);
+  alignas(64) uint32_t wp[G][8];  // the weights as bf16 pairs (keys 2i, 2i + 1)
+  for (int g = 0; g < G; ++g)
+    _mm256_store_si256(reinterpret_cast<__m256i*>(wp[g]),
+                       (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(w + 16 * g)));
+  for (int c0 = 0; c0 < kChunks; c0 += kAtOnce) {
+    __m512 a[G][2 * kAtOnce];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 2 * kAtOnce; ++i)
+        a[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * kD + 32 * c0 + 16 * i),
+                                _mm512_set1_ps(rescale[g]));
+    for (int64_t j = 0; j < n; j += 2) {
+      __m512bh lo[kAtOnce], hi[kAtOnce];
+      for (int c = 0; c < kAtOnce; ++c) {
+        const __m512i r0 = _mm512_loadu_si512(v + j * kD + 32 * (c0 + c));
+        const __m512i r1 = j + 1 < n ? _mm512_loadu_si512(v + (j + 1) * kD + 32 * (c0 + c))
+                                     : _mm512_setzero_si512();
+        lo[c] = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+        hi[c] = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512bh pw = (__m512bh)_mm512_set1_epi32(static_cast<int>(wp[g][j / 2]));
+        for (int c = 0; c < kAtOnce; ++c) {
+          a[g][2 * c] = _mm512_dpbf16_ps(a[g][2 * c], pw, lo[c]);
+          a[g][2 * c + 1] = _mm512_dpbf16_ps(a[g][2 * c + 1], pw, hi[c]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 2 * kAtOnce; ++i)
+        _mm512_storeu_ps(acc + g * kD + 32 * c0 + 16 * i, a[g][i]);
+  }
+}
+
+// acc's 32-dim chunk in accumulate_v_pairs' order -> dims in order.
+inline void unpermute_pairs(const float* src, __m512& first, __m512& second) {
+  const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+  first = _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23), hi);
+  second = _mm512_permutex2var_ps(
+      lo, _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31), hi);
+}
+#endif
+
+#if defined(PDSERVE_AMX)
+// q . k for a kv head's G query heads and 16 keys on the tile unit: S^T [16 keys, G] = K Q^T,
+// K loaded as an A operand straight from the cache block (16 rows of head_dim bf16; rows past
+// the tile's keys are read but masked after), Q^T as B operands in the pair layout (qt:
+// [kD / 32][16 dim pairs][G] pairs of bf16). Tiles: 0 S^T, 1 and 4 K, 2 and 3 Q^T (alternated:
+// tiles are not renamed). The G heads' scores are then gathered out of st [16][G].
+struct DecodeTiles {
+  explicit DecodeTiles(int g) {
+    AmxTiles::Config c;
+    const uint16_t cols_g = static_cast<uint16_t>(4 * g);
+    c.rows[0] = 16, c.colsb[0] = cols_g;  // S^T
+    c.rows[1] = 16, c.colsb[1] = 64;      // K
+    c.rows[4] = 16, c.colsb[4] = 64;      // K
+    c.rows[2] = 16, c.colsb[2] = cols_g;  // Q^T pairs
+    c.rows[3] = 16, c.colsb[3] = cols_g;  // Q^T pairs
+    asm volatile("" ::: "memory");  // see AmxTiles
+    _tile_loadconfig(&c);
+  }
+  ~DecodeTiles() { _tile_release(); }
+  DecodeTiles(const DecodeTiles&) = delete;
+  DecodeTiles& operator=(const DecodeTiles&) = delete;
+};
+
+template <int kD>
+inline void scores_tiles(const c10::BFloat16* k, const uint32_t* qt, float* st, int g) {
+  _tile_zero(0);
+  for (int t = 0; t < kD / 32; ++t) {
+    if (t % 2 == 0) {
+      _tile_loadd(1, k + 32 * t, kD * 2);
+      _tile_loadd(2, qt + t * 16 * g, 4 * g);
+      _tile_dpbf16ps(0, 1, 2);
+    } else {
+      _tile_loadd(4, k + 32 * t, kD * 2);
+      _tile_loadd(3, qt + t * 16 * g, 4 * g);
+      _tile_dpbf16ps(0, 4, 3);
+    }
+  }
+  _tile_stored(0, st, 4 * g);
+}
+#endif
+
 // One request, kv heads [h_begin, h_end): blocks outer, heads inner, so the cache is read in
 // block order (a block's K of all heads is one contiguous run, its V the next), and each block
 // is read once, K and V together, with an online softmax (running max and sum per query head,
 // the accumulator rescaled when the max grows). (Software prefetching of the blocks ahead was
 // tried and measured no faster here.)
-template <typename T, int kD>
+template <typename T, int kD, bool kTilesQK = false>
 void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64_t first,
                          int64_t seq_len, T* out, int64_t h_begin, int64_t h_end, int64_t num_kv_heads,
                          int64_t group, int64_t block_size, float scale,
@@ -188,6 +285,10 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
   static_assert(kD % 16 == 0 && kD > 0, "head_dim must be a multiple of 16");
   constexpr int kC = kD / 16;  // vectors per row
   constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
+  // bf16 V on the dot-product instruction, two keys at a time (accumulate_v_pairs)
+#if defined(__AVX512BF16__)
+  constexpr bool kPairsV = std::is_same_v<T, c10::BFloat16> && kD % 32 == 0;
+#endif
   const int64_t nq = (h_end - h_begin) * group;  // query heads handled here
   work.resize(2 * nq * kD + 2 * nq + 16 * kD + 17 * group);
   float* qf = work.data();          // [nq, D], pre-scaled
@@ -216,11 +317,38 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
       return dst;
     }
   };
+#if defined(PDSERVE_AMX)
+  // kTilesQK (bf16, group <= 16, block_size % 16 == 0): Q^T pairs of every head in range.
+  std::vector<uint32_t> qt_all(kTilesQK ? (h_end - h_begin) * (kD / 2) * group : 0);
+  alignas(64) float st[16 * 16];
+  if constexpr (kTilesQK) {
+    for (int64_t h = h_begin; h < h_end; ++h)
+      for (int64_t g = 0; g < group; ++g) {
+        const uint32_t* src =
+            reinterpret_cast<const uint32_t*>(q + ((h - h_begin) * group + g) * kD);
+        uint32_t* dst = qt_all.data() + (h - h_begin) * (kD / 2) * group;
+        for (int64_t dp = 0; dp < kD / 2; ++dp) dst[dp * group + g] = src[dp];
+      }
+  }
+#endif
   for (int64_t start = first; start < seq_len;) {  // tiles never cross a block boundary
     const int64_t b = start / block_size, in_block = start % block_size;
     const int64_t n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     const T* block = cache + table[b] * block_stride + in_block * kD;
+    if (h_end - h_begin == 1 && in_block + n == block_size &&
+        (start + n) / block_size <= (seq_len - 1) / block_size) {
+      // One kv head: its K and V are two 2 KiB runs per block, blocks scattered, too short
+      // for the hardware prefetcher to follow; the next block's are fetched while this one is
+      // computed (at 4 x 7.7k tokens: 1.45 -> 1.02 ms a call, with the tiles' q . k). With
+      // all heads in a task, a block is two contiguous runs and this only costs.
+      const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride +
+                                                       h_begin * head_stride);
+      for (int64_t off = 0; off < head_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
+        _mm_prefetch(next + off, _MM_HINT_T0);
+        _mm_prefetch(next + kv_stride * static_cast<int64_t>(sizeof(T)) + off, _MM_HINT_T0);
+      }
+    }
     for (int64_t h = h_begin; h < h_end; ++h) {
       const T* k_raw = block + h * head_stride;
 #if defined(__AVX512BF16__)
@@ -230,12 +358,26 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
 #else
       constexpr bool kDotBf16 = false;
 #endif
-      const float* k = kDotBf16 ? nullptr : widen(k_raw, n, krows);
+      const float* k = kDotBf16 || kTilesQK ? nullptr : widen(k_raw, n, krows);
       const T* v = block + h * head_stride + kv_stride;  // rows widened as they are used
+#if defined(PDSERVE_AMX)
+      if constexpr (kTilesQK)
+        scores_tiles<kD>(k_raw, qt_all.data() + (h - h_begin) * (kD / 2) * group, st,
+                         static_cast<int>(group));
+#endif
       for (int64_t g = 0; g < group; ++g) {
         const int64_t qi = (h - h_begin) * group + g;
         __m512 dots[16];
-        if constexpr (kDotBf16) {
+        __m512 raw;
+        if constexpr (kTilesQK) {
+#if defined(PDSERVE_AMX)
+          raw = _mm512_i32gather_ps(
+              _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                   14, 15),
+                                 _mm512_set1_epi32(static_cast<int>(group))),
+              st + g, 4);
+#endif
+        } else if constexpr (kDotBf16) {
 #if defined(__AVX512BF16__)
           constexpr int kP = kD / 32;  // 32-element bf16 vectors per row (kD % 32 != 0: tail)
           constexpr bool kTail = kD % 32 != 0;
@@ -273,8 +415,9 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
             dots[j] = a;
           }
         }
-        __m512 raw = reduce16(dots);
-        if constexpr (kDotBf16) raw = _mm512_mul_ps(raw, _mm512_set1_ps(scale));  // q unscaled
+        if constexpr (!kTilesQK) raw = reduce16(dots);
+        if constexpr (kDotBf16 || kTilesQK)
+          raw = _mm512_mul_ps(raw, _mm512_set1_ps(scale));  // q unscaled
         const __m512 scores = _mm512_mask_blend_ps(valid, _mm512_set1_ps(kNoScore), raw);
         const float new_max = std::max(run_max[qi], _mm512_reduce_max_ps(scores));
         const __m512 p = _mm512_maskz_mov_ps(
@@ -294,6 +437,21 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
         float* a = head_acc + g0 * kD;
         const float* w = weights + 16 * g0;
         const float* r = rescales + g0;
+#if defined(__AVX512BF16__)
+        if constexpr (kPairsV) {
+          switch (gn) {
+            case 1: accumulate_v_pairs<kD, 1>(a, w, r, v, n); break;
+            case 2: accumulate_v_pairs<kD, 2>(a, w, r, v, n); break;
+            case 3: accumulate_v_pairs<kD, 3>(a, w, r, v, n); break;
+            case 4: accumulate_v_pairs<kD, 4>(a, w, r, v, n); break;
+            case 5: accumulate_v_pairs<kD, 5>(a, w, r, v, n); break;
+            case 6: accumulate_v_pairs<kD, 6>(a, w, r, v, n); break;
+            case 7: accumulate_v_pairs<kD, 7>(a, w, r, v, n); break;
+            default: accumulate_v_pairs<kD, 8>(a, w, r, v, n); break;
+          }
+          continue;
+        }
+#endif
         switch (gn) {
           case 1: accumulate_v<T, kD, 1>(a, w, r, v, n); break;
           case 2: accumulate_v<T, kD, 2>(a, w, r, v, n); break;
@@ -310,6 +468,17 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
   }
   for (int64_t qi = 0; qi < nq; ++qi) {
     const __m512 inv = _mm512_set1_ps(1.f / run_sum[qi]);
+#if defined(__AVX512BF16__)
+    if constexpr (kPairsV) {
+      for (int c = 0; c < kC; c += 2) {
+        __m512 first, second;
+        unpermute_pairs(acc + qi * kD + 16 * c, first, second);
+        store_rounded(out + qi * kD + 16 * c, _mm512_mul_ps(first, inv));
+        store_rounded(out + qi * kD + 16 * c + 16, _mm512_mul_ps(second, inv));
+      }
+      continue;
+    }
+#endif
     for (int c = 0; c < kC; ++c)
       store_rounded(out + qi * kD + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + qi * kD + 16 * c), inv));
   }
@@ -365,19 +534,39 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
           const int64_t len = len_ptr[i / tasks_per_req];
           return len - first_key(len, window) + kTaskOverhead;
         });
+    // bf16 with AMX, one kv head a task: q . k on the tile unit (scores_tiles), where tiles
+    // of 16 keys sit in one block and a group's heads fit one tile's 16 columns. (With all
+    // heads in a task, the AVX-512 dot products measured as fast.)
+    bool tiles_qk = false;
+#if defined(PDSERVE_AMX)
+    if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0)
+      tiles_qk = !per_request && group <= 16 && block_size % 16 == 0 && amx_granted();
+#endif
     at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
-      for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
-        const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
-        const int64_t head = h0 * group * head_dim;
-        decode_heads_avx512<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
-                                   first_key(len_ptr[r], window), len_ptr[r],
-                                   out_ptr + r * out_row + head, h0, h0 + heads_per_task,
-                                   num_kv_heads, group, block_size, static_cast<float>(scale),
-                                   work);
+      auto run = [&](auto tiles) {
+        for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
+          const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
+          const int64_t head = h0 * group * head_dim;
+          decode_heads_avx512<T, kD, decltype(tiles)::value>(
+              q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
+              first_key(len_ptr[r], window), len_ptr[r], out_ptr + r * out_row + head, h0,
+              h0 + heads_per_task, num_kv_heads, group, block_size, static_cast<float>(scale),
+              work);
+        }
+      };
+#if defined(PDSERVE_AMX)
+      if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0) {
+        if (tiles_qk) {
+          const DecodeTiles config(static_cast<int>(group));
+          return run(std::true_type{});
+        }
       }
+#endif
+      run(std::false_type{});
     });
+    (void)tiles_qk;
     return;
   }
 #endif
