@@ -116,8 +116,8 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
 
 SMALL_ROWS_MAX = 128
 """Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
-layout (pack_small_rows): 1.55-1.6x oneDNN's speed at 1-16 rows on this CPU (20-21 vs 13 GB/s
-of weights read), 1.15x at 128, 0.92x at 256 (benchmarks/small_rows_linear.py)."""
+layout (pack_small_rows): 1.7-1.8x oneDNN's speed at 1-16 rows on this CPU (21-22 vs 12 GB/s
+of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256 (benchmarks/small_rows_linear.py)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
