@@ -30,7 +30,6 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._serve import free_port, stop  # noqa: E402
 
-
 logger = logging.getLogger("startup")
 
 
