@@ -1,5 +1,10 @@
 """Triton varlen prefill attention over the paged KV cache: several query tokens per
-request (prefill chunks after a cached prefix, speculative verification), causal."""
+request (prefill chunks after a cached prefix, speculative verification), causal.
+
+GQA head sharing: a program's query tile holds consecutive query positions of one request
+times all the query heads of one KV head (row r = position r // QUERY_GROUP, head
+r % QUERY_GROUP), so each K/V tile is loaded once for the whole group.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,15 @@ import triton
 import triton.language as tl
 
 from pdserve.kernels._paged_common import (
+    FP8_DTYPE,
     LOG2E,
+    attend_kv_range,
     cache_strides,
     check_cache,
+    check_scales,
     head_dim_pad,
-    paged_attn_block_loop,
+    key_tile,
+    query_in_dot_dtype,
     upcast_for,
 )
 
@@ -25,7 +34,8 @@ def _paged_prefill_kernel(
     block_tables_ptr,  # [B, max_blocks] int32/int64, padded with the null block 0
     query_start_loc_ptr,  # [B + 1] int32/int64: request b's queries are rows qsl[b]:qsl[b+1]
     seq_lens_ptr,  # [B] int32/int64: context length including this step's tokens
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) * k_scale
+    v_scale,  # dequantization scale of V (1.0 unless the cache is fp8)
     stride_qt,
     stride_qh,
     stride_qd,
@@ -41,72 +51,56 @@ def _paged_prefill_kernel(
     QUERY_GROUP: tl.constexpr,  # Hq // Hkv
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr,  # query tokens per program
-    BLOCK_SIZE: tl.constexpr,  # tokens per KV block = keys per inner-loop tile
+    BLOCK_M: tl.constexpr,  # query rows per program: positions x QUERY_GROUP heads (+ pad)
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    BLOCK_N: tl.constexpr,  # keys per inner-loop tile
     UPCAST: tl.constexpr,  # compute in fp32 (interpreter, fp32 cache)
+    FP8_CACHE: tl.constexpr,  # the cache is float8_e4m3fn
 ):
-    # grid = (cdiv(max_query_len, BLOCK_M), B, Hq): one program per (tile of BLOCK_M query
-    # tokens of one request, query head). Requests shorter than max_query_len leave their
+    # grid = (cdiv(max_query_len, POSITIONS), B, Hkv): one program per (tile of POSITIONS
+    # query tokens of one request, KV head). Requests shorter than max_query_len leave their
     # trailing programs with no rows; those return at once.
+    POSITIONS: tl.constexpr = BLOCK_M // QUERY_GROUP
     m_blk = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)  # int64 so stride products cannot overflow
-    h = tl.program_id(2).to(tl.int64)
+    kvh = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + b).to(tl.int64)
     query_len = (tl.load(query_start_loc_ptr + b + 1) - q_start).to(tl.int32)
-    if m_blk * BLOCK_M >= query_len:
+    if m_blk * POSITIONS >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    kvh = h // QUERY_GROUP
 
-    offs_m = m_blk * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index in the request
+    offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_DIM)
+    offs_m = m_blk * POSITIONS + offs_r // QUERY_GROUP  # [BLOCK_M] query index in the request
+    heads = kvh * QUERY_GROUP + offs_r % QUERY_GROUP  # [BLOCK_M] query head of each row
+    row_ok = (offs_r < POSITIONS * QUERY_GROUP) & (offs_m < query_len)
+    mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = q_start + offs_m
-    q = tl.load(
-        q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-        mask=mask,
-        other=0.0,
-    )
-    if UPCAST:
-        q = q.to(tl.float32)
-    else:
-        q = q.to(kv_cache_ptr.dtype.element_ty)
-    # Query i of the request sits at position seq_len - query_len + i.
+    q_offs = rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptr + q_offs, mask=mask, other=0.0)
+    q = query_in_dot_dtype(q, kv_cache_ptr, UPCAST=UPCAST, FP8_CACHE=FP8_CACHE)
+    # Query i of the request sits at position seq_len - query_len + i (after a cached prefix).
     context_before = seq_len - query_len
     q_pos = context_before + offs_m
-    # Causal: the tile's last row sees keys up to its position, none beyond seq_len.
-    keys_seen = tl.minimum(context_before + (m_blk + 1) * BLOCK_M, seq_len)
+    first_q_pos = context_before + m_blk * POSITIONS
+    # Causal: the tile's last position sees keys up to itself; tiles past it are skipped.
+    kv_end = tl.minimum(first_q_pos + POSITIONS, seq_len)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = paged_attn_block_loop(
-        acc,
-        m_i,
-        l_i,
-        q,
-        q_pos,
-        kv_cache_ptr + kvh * stride_ch,
-        block_tables_ptr + b * stride_btb,
-        tl.cdiv(keys_seen, BLOCK_SIZE),
-        seq_len,
-        qk_scale,
-        stride_cb,
-        stride_ckv,
-        stride_cs,
-        stride_cd,
-        BLOCK_SIZE=BLOCK_SIZE,
-        HEAD_DIM=HEAD_DIM,
-        HEAD_DIM_PAD=HEAD_DIM_PAD,
+    acc, m_i, l_i = attend_kv_range(
+        acc, m_i, l_i, q, q_pos, first_q_pos,
+        kv_cache_ptr + kvh * stride_ch, block_tables_ptr + b * stride_btb, 0, kv_end,
+        qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         UPCAST=UPCAST,
-    )
+    )  # fmt: skip
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows past query_len: never stored
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :] * stride_od,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    out = acc * (v_scale / l_i)[:, None]
+    o_offs = rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def paged_prefill_attention(
@@ -119,10 +113,14 @@ def paged_prefill_attention(
     *,
     max_query_len: int | None = None,  # known by the caller: saves a device->host sync
     out: torch.Tensor | None = None,  # [T, Hq, D] to write into (e.g. a slice of a batch)
-    block_m: int = 64,  # query tokens per program (capped by max_query_len)
+    block_m: int = 128,  # query rows per program (query tokens x the KV group's query heads)
+    k_scale: float = 1.0,  # fp8 cache: K = stored * k_scale (must be 1.0 otherwise)
+    v_scale: float = 1.0,  # fp8 cache: V = stored * v_scale
+    block_n: int | None = None,  # keys per inner-loop tile (power of two >= 16; None: 64)
 ) -> torch.Tensor:  # [T, Hq, D]
     """Same contract as ``pdserve_kernels.reference.paged_prefill_attention_ref``."""
     block_size, num_kv_heads, head_dim = check_cache(kv_cache)
+    check_scales(kv_cache, k_scale, v_scale)
     num_tokens, num_q_heads, _ = q.shape
     assert q.shape[2] == head_dim and num_q_heads % num_kv_heads == 0
     batch = block_tables.shape[0]
@@ -135,8 +133,12 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len == 0:
         return out
-    block_m = max(16, min(block_m, triton.next_power_of_2(max_query_len)))
-    grid = (triton.cdiv(max_query_len, block_m), batch, num_q_heads)
+    group = num_q_heads // num_kv_heads
+    # rows: a power of two >= 16 (tl.dot), at least one position's group, no more than needed
+    block_m = max(16, triton.next_power_of_2(group), min(block_m, max_query_len * group))
+    block_m = triton.next_power_of_2(block_m)
+    positions = block_m // group
+    grid = (triton.cdiv(max_query_len, positions), batch, num_kv_heads)
     _paged_prefill_kernel[grid](
         out_ptr=out,
         q_ptr=q,
@@ -144,7 +146,8 @@ def paged_prefill_attention(
         block_tables_ptr=block_tables,
         query_start_loc_ptr=query_start_loc,
         seq_lens_ptr=seq_lens,
-        qk_scale=float(scale) * LOG2E,
+        qk_scale=float(scale) * LOG2E * float(k_scale),
+        v_scale=float(v_scale),
         stride_qt=q.stride(0),
         stride_qh=q.stride(1),
         stride_qd=q.stride(2),
@@ -153,11 +156,14 @@ def paged_prefill_attention(
         stride_od=out.stride(2),
         **cache_strides(kv_cache),
         stride_btb=block_tables.stride(0),
-        QUERY_GROUP=num_q_heads // num_kv_heads,
+        QUERY_GROUP=group,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad(head_dim),
         BLOCK_M=block_m,
         BLOCK_SIZE=block_size,
-        UPCAST=upcast_for(kv_cache),
+        BLOCK_N=key_tile(block_n),
+        UPCAST=upcast_for(kv_cache, q),
+        FP8_CACHE=kv_cache.dtype == FP8_DTYPE,
+        num_warps=8 if block_m >= 128 and not upcast_for(kv_cache, q) else 4,
     )
     return out

@@ -6,11 +6,24 @@ attention, so a wrong reference cannot hide a wrong kernel.
 
 KV cache layout (see ``engine/attention.py``): ``[num_blocks, 2, block_size, Hkv, D]``,
 index 0 = K, 1 = V; block 0 is the null block; slot = block_id * block_size + offset.
+
+fp8 cache (``torch.float8_e4m3fn``): K is stored as k / k_scale saturated to +-448 (V
+likewise with v_scale) and read back as stored * k_scale. Other caches take scales of 1.0.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as stored in a cache of dtype: x / scale saturated and cast to fp8, else a cast."""
+    if dtype == torch.float8_e4m3fn:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    assert scale == 1.0, f"a scale applies to a float8_e4m3fn cache only, not {dtype}"
+    return x.to(dtype)
 
 
 def reshape_and_cache_ref(
@@ -18,24 +31,33 @@ def reshape_and_cache_ref(
     v: torch.Tensor,  # [T, Hkv, D]
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, Hkv, D], written in place
     slot_mapping: torch.Tensor,  # [T] int: slot of each token; < 0 = padding, skipped
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store each token's K and V at its slot of the cache."""
+    """Store each token's K and V at its slot of the cache (quantized if it is fp8)."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = quantize(k[keep], k_scale, kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = quantize(v[keep], v_scale, kv_cache.dtype)
 
 
-def _gather(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """K and V ([seq_len, Hkv, D]) of one request's first seq_len cached positions."""
+def _gather(
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+):
+    """K and V ([seq_len, Hkv, D]) of one request's first seq_len cached positions, in fp32
+    (dequantized: stored * scale)."""
     block_size = kv_cache.shape[2]
     nb = -(-seq_len // block_size)
     kv = kv_cache[block_table[:nb].long()]  # [nb, 2, bs, Hkv, D]
     k = kv[:, 0].reshape(nb * block_size, *kv.shape[-2:])[:seq_len]
     v = kv[:, 1].reshape(nb * block_size, *kv.shape[-2:])[:seq_len]
-    return k, v
+    return k.float() * k_scale, v.float() * v_scale
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
@@ -60,6 +82,9 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,  # [B, max_blocks] int32/int64, padded with 0
     seq_lens: torch.Tensor,  # [B]: context length including the query token
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, Hq, D]
     """Each request's query (at position seq_len - 1) over its seq_len cached tokens."""
     out = torch.zeros_like(q)
@@ -67,7 +92,7 @@ def paged_decode_attention_ref(
         seq_len = int(seq_lens[b])
         if seq_len == 0:
             continue
-        k, v = _gather(kv_cache, block_tables[b], seq_len)
+        k, v = _gather(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
         q_pos = torch.tensor([seq_len - 1])
         out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0]
     return out
@@ -80,6 +105,9 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,  # [B + 1]: request b's queries are q[qsl[b]:qsl[b+1]]
     seq_lens: torch.Tensor,  # [B]: context length including this step's tokens
     scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention over the paged context: query i of a request with query_len ql and
     seq_len L sits at position L - ql + i and sees the keys at positions <= it. Covers
@@ -90,7 +118,7 @@ def paged_prefill_attention_ref(
         seq_len, ql = int(seq_lens[b]), end - start
         if ql == 0:
             continue
-        k, v = _gather(kv_cache, block_tables[b], seq_len)
+        k, v = _gather(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
         q_pos = torch.arange(seq_len - ql, seq_len)
         out[start:end] = _attend(q[start:end], k, v, q_pos, scale)
     return out
