@@ -34,6 +34,7 @@ from pdserve.common.tls import TLSFiles, aio_channel
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.outputs import RemotePrefill, SampledTokens
+from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.transport import KVReceiver, KVTransferError
 from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader
@@ -109,6 +110,7 @@ class PrefillClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.metrics = metrics
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._kv_block_io: KVBlockIO | None = None
         self._probes: dict[str, tuple[float, asyncio.Future]] = {}
         """address -> (when, GetLoad call) of the latest liveness probe (_alive)."""
 
@@ -184,6 +186,7 @@ class PrefillClient:
         # Not derived from the client's request id (any length): a fixed-size random id.
         transfer_id = uuid.uuid4().hex
         engine_loop = self.engine_loop
+        kv_blocks = await self._kv_blocks()
         block_ids = rp.block_ids
         arrivals = _Arrivals()
 
@@ -191,7 +194,8 @@ class PrefillClient:
             # wire block j is the request's block skip + j (the receiver checked the range)
             start = skip + header.first_block
             target = block_ids[start : start + header.num_blocks]
-            data = payload.copy()  # the transport reuses its buffer once this returns
+            # the transport reuses its buffer once this returns (a GPU cache: into pinned memory)
+            data = kv_blocks.stage(payload)
             # Written on the engine thread, between steps: queued before the request's join
             # (or its abort), so every block is in place before the request computes or frees.
             engine_loop.submit(lambda: engine_loop.engine.kv_blocks.scatter(target, data))
@@ -231,6 +235,13 @@ class PrefillClient:
         self.metrics.observe_transfer(stats)
         self._record_receive(arrivals, span, transfer_id, stats.bytes, stats.num_messages)
         return response, stats.bytes
+
+    async def _kv_blocks(self) -> KVBlockIO:
+        """The engine's KVBlockIO, asked of the engine thread once; only its stage() is used
+        here (any thread)."""
+        if self._kv_block_io is None:
+            self._kv_block_io = await self.engine_loop.call(lambda engine: engine.kv_blocks)
+        return self._kv_block_io
 
     async def _watched(self, call: Any, address: str, arrivals: _Arrivals) -> Any:
         """The Prefill call's response. While it runs, a node that sent no KV for

@@ -5,8 +5,15 @@
   the prompt's last partial block once the prompt is done) and hands their sending to the node's
   event loop, so the transfer overlaps the rest of the prefill.
 - The decode role needs no connector object: its remote prefills come out of LLMEngine.step()
-  (StepOutput.remote_prefills) and decode_node/prefill_client.py has arriving blocks written
-  with `scatter_blocks` on the engine thread.
+  (StepOutput.remote_prefills) and decode_node/prefill_client.py has arriving blocks staged
+  (KVBlockIO.stage) as they arrive and written (KVBlockIO.scatter) on the engine thread.
+
+A KV cache on a GPU is sent from pinned host memory (KVBlockIO's staging): the engine thread
+only queues the device-to-host copies, in pieces of at most STAGING_PIECE_BYTES, and each
+piece's send waits for its own copy, so piece i is on the wire while piece i + 1 is copied.
+Every transport sends from that host memory; UCX could send device memory directly where
+UCX has CUDA transports, but the receiving side's buffers are host memory (the receiver
+authenticates and sizes a message before taking one), so staging is kept for all of them.
 
 A transfer carries the request's blocks [skip_blocks, ceil(prompt_len / block_size)) - those
 the decode node does not have in its own prefix cache. Block indices on the wire count from
@@ -25,7 +32,7 @@ import numpy as np
 import torch
 
 from pdserve.engine.outputs import SchedulerOutput
-from pdserve.engine.parallel import KVBlockIO
+from pdserve.engine.parallel import KVBlockIO, KVPiece
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.transport import KVSender, TransferStats
 from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader
@@ -43,6 +50,7 @@ def kv_layout(model: str, kv_cache: torch.Tensor | KVBlockIO, block_size: int) -
         num_kv_heads=kv.num_kv_heads,
         head_dim=kv.head_dim,
         block_size=block_size,
+        device=kv.device_kind,
     )
 
 
@@ -145,18 +153,29 @@ class KVPushConnector:
                 push.next_block = final
 
     def _send(self, push: _Push, block_ids: list[int]) -> None:
+        """Queue the copies of the request's blocks block_ids (its blocks from push.next_block
+        on) and one send per piece; the sends run on the event loop."""
         assert self.kv_cache is not None  # registered by the engine's constructor
-        payload = self.kv_cache.gather(block_ids)
-        header = TransferHeader(
-            transfer_id=push.target.transfer_id,
-            layout=self.layout.with_adapter(push.target.lora_name),
-            first_block=push.next_block - push.target.skip_blocks,
-            num_blocks=len(block_ids),
-            payload_bytes=payload.nbytes,
-            trace_context=push.target.trace_context,
-            token=push.target.token,
-        )
         push.started = push.started or time.perf_counter()
-        push.bytes += payload.nbytes
-        coro = self.sender.send(push.target.address, header, payload)
-        push.sends.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
+        for piece in self.kv_cache.gather_pieces(block_ids):
+            header = TransferHeader(
+                transfer_id=push.target.transfer_id,
+                layout=self.layout.with_adapter(push.target.lora_name),
+                first_block=push.next_block - push.target.skip_blocks + piece.first,
+                num_blocks=piece.num_blocks,
+                payload_bytes=piece.payload.nbytes,
+                trace_context=push.target.trace_context,
+                token=push.target.token,
+            )
+            push.bytes += piece.payload.nbytes
+            coro = self._send_piece(push.target.address, header, piece)
+            push.sends.append(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def _send_piece(self, address: str, header: TransferHeader, piece: KVPiece) -> None:
+        """On the event loop: send one piece once its copy is done, then free its buffer (also
+        when cancelled mid-send; a send cancelled before it started leaves it to be freed)."""
+        try:
+            await piece.ready()
+            await self.sender.send(address, header, piece.payload)
+        finally:
+            piece.release()

@@ -6,7 +6,7 @@ one or more *messages*; each message is an encoded TransferHeader followed by it
 Header encoding (all integers big-endian):
 
     prefix  magic b"PDKV" | version u16 | body_bytes u32           (HEADER_PREFIX_BYTES)
-    body    transfer_id str | token str | model str | dtype str
+    body    transfer_id str | token str | model str | dtype str | device str
             | num_layers u32 | num_kv_heads u32 | head_dim u32 | block_size u32
             | first_block u32 | num_blocks u32 | payload_bytes u64
             | trace_context: count u16, then count x (key str, value str)
@@ -28,13 +28,18 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field, fields, replace
 
-WIRE_VERSION = 2
-"""2: the token after the transfer id."""
+WIRE_VERSION = 3
+"""2: the token after the transfer id. 3: the device kind after the dtype."""
 MAGIC = b"PDKV"
 MAX_HEADER_BYTES = 16 * 1024
 """Receivers reject longer headers (the trace context is the only part that can grow)."""
 
-DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float8_e4m3fn": 1}
+"""KV dtypes by torch's name; a float8 payload is the cache's raw float8 bytes (scales 1.0)."""
+DEVICE_KINDS = ("cpu", "cuda")
+"""Where a cache lives. The bytes of a block are the same on both, but a CPU tier and a GPU
+tier never exchange KV: their engines differ in kernels and numerics, so the KV is not the
+KV the other side would have computed."""
 LORA_SEPARATOR = "+lora:"
 """Between the model id and a LoRA adapter's name in a layout's model (with_adapter)."""
 
@@ -60,16 +65,20 @@ class LayoutSignature:
     model: str
     """Model id (name or path) the KV was computed with."""
     dtype: str
-    """KV dtype: "float32" or "bfloat16"."""
+    """KV dtype: a key of DTYPE_ITEMSIZE ("float32", "bfloat16", "float8_e4m3fn")."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     """Token slots per block."""
+    device: str = "cpu"
+    """Device kind the KV cache lives on: "cpu" or "cuda" (DEVICE_KINDS)."""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_ITEMSIZE:
             raise ValueError(f"dtype must be one of {tuple(DTYPE_ITEMSIZE)}, got {self.dtype!r}")
+        if self.device not in DEVICE_KINDS:
+            raise ValueError(f"device must be one of {DEVICE_KINDS}, got {self.device!r}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -135,7 +144,7 @@ class TransferHeader:
     def encode(self) -> bytes:
         """The header's wire bytes (prefix + body); raises WireFormatError if too long."""
         parts = [_pack_str(self.transfer_id), _pack_str(self.token), _pack_str(self.layout.model)]
-        parts.append(_pack_str(self.layout.dtype))
+        parts += [_pack_str(self.layout.dtype), _pack_str(self.layout.device)]
         lay = self.layout
         parts.append(_SHAPE.pack(lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.block_size))
         parts.append(_RANGE.pack(self.first_block, self.num_blocks, self.payload_bytes))
@@ -200,14 +209,17 @@ class _Reader:
         return text
 
     def header(self) -> TransferHeader:
-        transfer_id, token, model, dtype = self.text(), self.text(), self.text(), self.text()
+        transfer_id, token, model = self.text(), self.text(), self.text()
+        dtype, device = self.text(), self.text()
         num_layers, num_kv_heads, head_dim, block_size = self.unpack(_SHAPE)
         first_block, num_blocks, payload_bytes = self.unpack(_RANGE)
         (num_items,) = self.unpack(_U16)
         trace_context = {self.text(): self.text() for _ in range(num_items)}
         if self.pos != len(self.body):
             raise struct.error(f"{len(self.body) - self.pos} trailing bytes")
-        layout = LayoutSignature(model, dtype, num_layers, num_kv_heads, head_dim, block_size)
+        layout = LayoutSignature(
+            model, dtype, num_layers, num_kv_heads, head_dim, block_size, device
+        )
         return TransferHeader(
             transfer_id, layout, first_block, num_blocks, payload_bytes, trace_context, token
         )

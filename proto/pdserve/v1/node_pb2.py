@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import common_pb2 as pdserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/node.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12prefill_candidates\x18\x04 \x03(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\xad\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cprefilled_by\x18\x06 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rmodel_version\x18\t \x01(\t\"z\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x03 \x01(\x05\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\r\n\x05token\x18\x05 \x01(\t\"x\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\"\xf3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\x9b\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x12\n\nkv_seconds\x18\x05 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetLoadRequest\"\xd1\x02\n\x08NodeLoad\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x11\n\taccepting\x18\n \x01(\x08\x12\x1f\n\x17generation_tokens_per_s\x18\x0b \x01(\x01\x12\x12\n\nkv_address\x18\x0c \x01(\t\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x15\n\rmodel_version\x18\x0f \x01(\t\"]\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\x0f\n\x07pooling\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\":\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.Embedding2\x86\x02\n\nDecodeNode\x12?\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponse2\x8a\x02\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15pdserve/v1/node.proto\x12\npdserve.v1\x1a\x17pdserve/v1/common.proto\"\xe9\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x1a\n\x12prefill_candidates\x18\x04 \x03(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\xad\x02\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\x05\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x05\x12\x14\n\x0cprefilled_by\x18\x06 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x15\n\rmodel_version\x18\t \x01(\t\"z\n\x08KVTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x13\n\x0btransfer_id\x18\x02 \x01(\t\x12\x13\n\x0bskip_blocks\x18\x03 \x01(\x05\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVLayout\x12\r\n\x05token\x18\x05 \x01(\t\"\x88\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x07 \x01(\t\"\xf3\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\'\n\tkv_target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12*\n\x04lora\x18\x07 \x01(\x0b\x32\x17.pdserve.v1.LoRAAdapterH\x00\x88\x01\x01\x42\x07\n\x05_lora\"\x9b\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12/\n\rfirst_logprob\x18\x02 \x01(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x03\x12\x12\n\nkv_seconds\x18\x05 \x01(\x01\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x10\n\x0eGetLoadRequest\"\xd1\x02\n\x08NodeLoad\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x13\n\x0bnum_running\x18\x04 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x06 \x01(\x05\x12\x18\n\x10num_total_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12\x15\n\rmax_model_len\x18\t \x01(\x05\x12\x11\n\taccepting\x18\n \x01(\x08\x12\x1f\n\x17generation_tokens_per_s\x18\x0b \x01(\x01\x12\x12\n\nkv_address\x18\x0c \x01(\t\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x03\x12\x17\n\x0fmetrics_address\x18\x0e \x01(\t\x12\x15\n\rmodel_version\x18\x0f \x01(\t\"]\n\x0c\x45mbedRequest\x12)\n\x06inputs\x18\x01 \x03(\x0b\x32\x19.pdserve.v1.TokenSequence\x12\x0f\n\x07pooling\x18\x02 \x01(\t\x12\x11\n\tnormalize\x18\x03 \x01(\x08\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\":\n\rEmbedResponse\x12)\n\nembeddings\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.Embedding2\x86\x02\n\nDecodeNode\x12?\n\x08Generate\x12\x19.pdserve.v1.DecodeRequest\x1a\x16.pdserve.v1.TokenChunk0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponse2\x8a\x02\n\x0bPrefillNode\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12;\n\x07GetLoad\x12\x1a.pdserve.v1.GetLoadRequest\x1a\x14.pdserve.v1.NodeLoad\x12<\n\x05\x45mbed\x12\x18.pdserve.v1.EmbedRequest\x1a\x19.pdserve.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,28 +38,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENCHUNK']._serialized_end=600
   _globals['_KVTARGET']._serialized_start=602
   _globals['_KVTARGET']._serialized_end=724
-  _globals['_KVLAYOUT']._serialized_start=726
-  _globals['_KVLAYOUT']._serialized_end=846
-  _globals['_PREFILLREQUEST']._serialized_start=849
-  _globals['_PREFILLREQUEST']._serialized_end=1092
-  _globals['_PREFILLRESPONSE']._serialized_start=1095
-  _globals['_PREFILLRESPONSE']._serialized_end=1250
-  _globals['_ABORTREQUEST']._serialized_start=1252
-  _globals['_ABORTREQUEST']._serialized_end=1286
-  _globals['_ABORTRESPONSE']._serialized_start=1288
-  _globals['_ABORTRESPONSE']._serialized_end=1303
-  _globals['_GETLOADREQUEST']._serialized_start=1305
-  _globals['_GETLOADREQUEST']._serialized_end=1321
-  _globals['_NODELOAD']._serialized_start=1324
-  _globals['_NODELOAD']._serialized_end=1661
-  _globals['_EMBEDREQUEST']._serialized_start=1663
-  _globals['_EMBEDREQUEST']._serialized_end=1756
-  _globals['_EMBEDDING']._serialized_start=1758
-  _globals['_EMBEDDING']._serialized_end=1785
-  _globals['_EMBEDRESPONSE']._serialized_start=1787
-  _globals['_EMBEDRESPONSE']._serialized_end=1845
-  _globals['_DECODENODE']._serialized_start=1848
-  _globals['_DECODENODE']._serialized_end=2110
-  _globals['_PREFILLNODE']._serialized_start=2113
-  _globals['_PREFILLNODE']._serialized_end=2379
+  _globals['_KVLAYOUT']._serialized_start=727
+  _globals['_KVLAYOUT']._serialized_end=863
+  _globals['_PREFILLREQUEST']._serialized_start=866
+  _globals['_PREFILLREQUEST']._serialized_end=1109
+  _globals['_PREFILLRESPONSE']._serialized_start=1112
+  _globals['_PREFILLRESPONSE']._serialized_end=1267
+  _globals['_ABORTREQUEST']._serialized_start=1269
+  _globals['_ABORTREQUEST']._serialized_end=1303
+  _globals['_ABORTRESPONSE']._serialized_start=1305
+  _globals['_ABORTRESPONSE']._serialized_end=1320
+  _globals['_GETLOADREQUEST']._serialized_start=1322
+  _globals['_GETLOADREQUEST']._serialized_end=1338
+  _globals['_NODELOAD']._serialized_start=1341
+  _globals['_NODELOAD']._serialized_end=1678
+  _globals['_EMBEDREQUEST']._serialized_start=1680
+  _globals['_EMBEDREQUEST']._serialized_end=1773
+  _globals['_EMBEDDING']._serialized_start=1775
+  _globals['_EMBEDDING']._serialized_end=1802
+  _globals['_EMBEDRESPONSE']._serialized_start=1804
+  _globals['_EMBEDRESPONSE']._serialized_end=1862
+  _globals['_DECODENODE']._serialized_start=1865
+  _globals['_DECODENODE']._serialized_end=2127
+  _globals['_PREFILLNODE']._serialized_start=2130
+  _globals['_PREFILLNODE']._serialized_end=2396
 # @@protoc_insertion_point(module_scope)

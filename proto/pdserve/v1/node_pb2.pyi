@@ -62,20 +62,22 @@ class KVTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., transfer_id: _Optional[str] = ..., skip_blocks: _Optional[int] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., token: _Optional[str] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size")
+    __slots__ = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "device")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     model: str
     dtype: str
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
-    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, model: _Optional[str] = ..., dtype: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "seed", "kv_target", "cache_salt", "lora")
