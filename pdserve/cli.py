@@ -34,7 +34,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def cmd_make_model(args: argparse.Namespace) -> int:
     from pdserve.make_model import make_model
 
-    make_model(args.arch, args.preset, args.out, seed=args.seed)
+    make_model(args.arch, args.preset, args.out, seed=args.seed, device=args.device)
     return 0
 
 
@@ -109,11 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument(
         "--preset",
         default="tiny",
-        choices=["tiny", "small", "bench"],
-        help="size: tiny ~2-5M params (tests), small ~20-40M, bench ~100-150M",
+        choices=["tiny", "small", "bench", "gpu-1b"],
+        help="size: tiny ~2-5M params (tests), small ~20-40M, bench ~100-150M, "
+        "gpu-1b ~0.8-1B (for a GPU: hidden 2048, 16 layers, 32/8 heads)",
     )
     mm.add_argument("--out", required=True, help="output directory")
-    mm.add_argument("--seed", type=int, default=0, help="weights seed (same seed, same bytes)")
+    mm.add_argument(
+        "--seed", type=int, default=0, help="weights seed (same seed and device, same bytes)"
+    )
+    mm.add_argument(
+        "--device",
+        default="cpu",
+        help="where the random weights are drawn: cpu, cuda or cuda:N (fast for gpu-1b)",
+    )
     mm.set_defaults(func=cmd_make_model)
 
     gen = sub.add_parser(

@@ -3,7 +3,9 @@
 Output directories load with transformers' ``AutoModelForCausalLM`` / ``AutoTokenizer`` and with
 our own loader. Everything is deterministic: the tokenizer is a byte-level BPE trained on a
 fixed, sorted slice of this Python's standard library, the weights come from a seeded generator,
-so the same (arch, preset, seed) gives byte-identical files on one machine.
+so the same (arch, preset, seed, device) gives byte-identical files on one machine. The weights
+are drawn on the device asked for (`--device cuda` makes a 1B-parameter preset in seconds); a
+CUDA generator draws other numbers than the CPU's for the same seed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ logger = logging.getLogger(__name__)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 PRESETS = ("tiny", "small", "bench")
+"""Sizes for tests and demos on a CPU."""
+GPU_PRESETS = ("gpu-1b",)
+"""Sizes for a GPU: gpu-1b is a Llama shape of 0.85B parameters, under every arch's rules
+(qwen2's tied embeddings: 0.79B; qwen3's doubled head_dim: 1.02B)."""
 
 BOS, EOT, IM_START, IM_END, PAD = (
     "<|begin_of_text|>",
@@ -61,21 +67,26 @@ class Preset:
     num_kv_heads: int
     intermediate_size: int
     tokenizer_vocab: int
+    """Vocabulary the tokenizer is trained to (at most: the corpus allows ~27.7k)."""
     max_position_embeddings: int
+    vocab_size: int = 0
+    """The model's vocabulary when larger than the tokenizer's (real models pad theirs too; the
+    ids past the tokenizer's decode to nothing); 0: the tokenizer's, rounded up to 64."""
 
 
 PRESET_SIZES = {
     "tiny": Preset(256, 4, 4, 2, 688, 2048, 2048),
     "small": Preset(512, 8, 8, 4, 1408, 8192, 4096),
     "bench": Preset(768, 16, 12, 4, 2048, 8192, 4096),
+    "gpu-1b": Preset(2048, 16, 32, 8, 5632, 32000, 4096, vocab_size=32000),
 }
 
 
 def _check(arch: str, preset: str) -> None:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS}")
+    if preset not in PRESET_SIZES:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {PRESETS + GPU_PRESETS}")
 
 
 def make_config(arch: str, preset: str, tokenizer_size: int | None = None) -> dict[str, Any]:
@@ -83,7 +94,7 @@ def make_config(arch: str, preset: str, tokenizer_size: int | None = None) -> di
     to a multiple of 64), defaulting to the preset's tokenizer vocabulary."""
     _check(arch, preset)
     p = PRESET_SIZES[preset]
-    vocab = cdiv(tokenizer_size or p.tokenizer_vocab, 64) * 64
+    vocab = max(cdiv(tokenizer_size or p.tokenizer_vocab, 64) * 64, p.vocab_size)
     model_type, architecture = _HF_NAMES[arch]
     config: dict[str, Any] = {
         "architectures": [architecture],
@@ -202,20 +213,24 @@ def _init_std(name: str, config: dict[str, Any]) -> float | None:
     return 0.02
 
 
-def make_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """Seeded random float32 weights for config, in a fixed order (deterministic)."""
-    gen = torch.Generator().manual_seed(seed)
+def make_weights(
+    config: dict[str, Any], seed: int, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Seeded random float32 weights for config, in a fixed order (deterministic per device),
+    drawn on device."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, shape in weight_shapes(config).items():
         std = _init_std(name, config)
         if std is not None:
-            weights[name] = std * torch.randn(shape, generator=gen)
+            weights[name] = std * torch.randn(shape, generator=gen, device=device)
             continue
         # Norm weights 1 + noise (so a loader that skips them is caught). The final norm gets
         # random signs: with tied embeddings this removes the bias of a token towards itself.
-        weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        weights[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device)
         if name == "model.norm.weight":
-            weights[name] *= torch.randint(0, 2, shape, generator=gen) * 2 - 1
+            signs = torch.randint(0, 2, shape, generator=gen, device=device) * 2 - 1
+            weights[name] *= signs
     return weights
 
 
@@ -319,8 +334,11 @@ def _write_json(path: str, obj: Any) -> None:
         f.write("\n")
 
 
-def make_model(arch: str, preset: str, out: str, seed: int = 0) -> None:
-    """Write a random (arch, preset) model + tokenizer in Hugging Face format to out."""
+def make_model(
+    arch: str, preset: str, out: str, seed: int = 0, device: str | torch.device = "cpu"
+) -> None:
+    """Write a random (arch, preset) model + tokenizer in Hugging Face format to out, the
+    weights drawn on device."""
     _check(arch, preset)
     tokenizer_json = make_tokenizer_json(arch, PRESET_SIZES[preset].tokenizer_vocab)
     tokenizer_size = len(json.loads(tokenizer_json)["model"]["vocab"])
@@ -339,7 +357,7 @@ def make_model(arch: str, preset: str, out: str, seed: int = 0) -> None:
         f.write(tokenizer_json)
     for name, obj in _tokenizer_files(arch, config).items():
         _write_json(os.path.join(out, name), obj)
-    weights = make_weights(config, seed)
+    weights = {name: w.cpu() for name, w in make_weights(config, seed, device).items()}
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     logger.info(
         "wrote %s/%s model (%.1fM params, vocab %d, seed %d) to %s",
