@@ -18,12 +18,16 @@ rewritten after each one (and after each timed shape), the remaining ones skippe
                9/3 D64 (SmolLM2), mixed lengths 0..2049 in shuffled non-contiguous blocks, NaN
                in every slot no request owns, the cache in the kernels' token-major layout
                and in the engine's head-major one (a strided view, as engine/attention_triton
-               passes it)
-  decode       paged decode: Triton vs the torch reference vs SDPA on gathered contiguous K/V
-               (gather excluded and included); us, KV bytes read / time, fraction of peak
+               passes it); and each kernel on an fp8 (float8_e4m3fn, scaled) cache
+  decode       paged decode: Triton (automatic split-K, fixed split counts, an fp8 cache) vs
+               the torch reference vs SDPA on gathered contiguous K/V (gather excluded and
+               included; flash SDPA forced: the dense-equivalent problem, and the time ratio
+               Triton / flash SDPA); us, KV bytes read / time, fraction of peak
   prefill      paged prefill (one prompt; a chunk after cached context) vs causal SDPA on
-               contiguous tensors; us and TFLOP/s, per BLOCK_M
-  store        reshape_and_cache: tokens/s and GB/s, vs the torch reference
+               contiguous tensors; us and TFLOP/s, per BLOCK_M (query rows: tokens x group
+               heads), on the bf16 and on an fp8 cache
+  store        reshape_and_cache into the bench dtype and into fp8: tokens/s and GB/s, vs the
+               torch reference
   summary      markdown tables, logged and stored in the JSON ("summary_markdown")
 
 Exit status 0 when no section failed and every correctness case passed, else 1.
@@ -63,6 +67,10 @@ H200_PEAK_TBPS = 4.8  # HBM3e datasheet peak; a device-to-device copy measured ~
 # fp16 (11-bit mantissa, ulp ~1e-3): the same roundings; 5e-3 is ~5 ulp.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 LAYOUTS = ("token_major", "head_major")  # kernel/reference order; the engine's memory order
+FP8 = torch.float8_e4m3fn
+FP8_SCALES = {"k_scale": 0.02, "v_scale": 0.01}
+"""K/V scales of every fp8 cache here: randn values stored as value / scale, within +-448
+but for the rare |K| > 8.96 (saturated, as the reference does too)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +79,8 @@ class Plan:
 
     dtypes: tuple[torch.dtype, ...]
     """Cache and query dtypes the correctness cases cover."""
+    fp8_query_dtypes: tuple[torch.dtype, ...]
+    """Query dtypes of the correctness cases on an fp8 cache."""
     block_sizes: tuple[int, ...]
     """Tokens per KV block in the correctness cases."""
     head_configs: tuple[tuple[int, int, int], ...]
@@ -90,6 +100,8 @@ class Plan:
     bench_block_size: int
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
+    decode_fixed_splits: tuple[int, ...]
+    """num_splits values timed next to the automatic choice (num_splits=None)."""
     prefill_cases: tuple[tuple[str, int, int], ...]
     """(name, seq_len, query_len) of the timed prefills (one request each)."""
     prefill_block_ms: tuple[int, ...]
@@ -103,6 +115,7 @@ class Plan:
 
 GPU_PLAN = Plan(
     dtypes=(torch.float32, torch.bfloat16, torch.float16),
+    fp8_query_dtypes=(torch.bfloat16, torch.float16),
     block_sizes=(16, 32),
     head_configs=((32, 8, 128), (9, 3, 64)),
     decode_seq_lens=(1, 7, 16, 17, 100, 513, 2049, 0),
@@ -112,8 +125,9 @@ GPU_PLAN = Plan(
     bench_heads=(32, 8, 128),
     bench_dtype=torch.bfloat16,
     bench_block_size=16,
-    decode_batches=(1, 16, 64, 256),
+    decode_batches=(1, 8, 64, 256),
     decode_contexts=(512, 2048, 8192),
+    decode_fixed_splits=(1, 8, 32),
     prefill_cases=(
         ("prompt_1024", 1024, 1024),
         ("prompt_4096", 4096, 4096),
@@ -127,6 +141,7 @@ GPU_PLAN = Plan(
 
 SMOKE_PLAN = Plan(
     dtypes=(torch.float32,),
+    fp8_query_dtypes=(torch.float32,),
     block_sizes=(16, 32),
     head_configs=((4, 2, 32), (9, 3, 64)),
     decode_seq_lens=(1, 7, 16, 17, 70, 0),
@@ -138,6 +153,7 @@ SMOKE_PLAN = Plan(
     bench_block_size=16,
     decode_batches=(2,),
     decode_contexts=(48,),
+    decode_fixed_splits=(1, 3),
     prefill_cases=(("prompt_32", 32, 32), ("chunk_16_after_32", 48, 16)),
     prefill_block_ms=(16,),
     store_bench_tokens=64,
@@ -157,25 +173,37 @@ class CaseSpec:
     hkv: int
     head_dim: int
     layout: str
+    fp8_cache: bool = False
+    """The cache is float8_e4m3fn (scaled by FP8_SCALES); dtype is then the queries'."""
 
     @property
     def index_dtype(self) -> torch.dtype:
         """Block tables, lengths and slots: int32 with bs 32, int64 with bs 16 (both work)."""
         return torch.int32 if self.block_size == 32 else torch.int64
 
+    @property
+    def scales(self) -> dict[str, float]:
+        """The kernels' k_scale/v_scale keywords: FP8_SCALES on an fp8 cache, else none."""
+        return FP8_SCALES if self.fp8_cache else {}
+
     def label(self) -> str:
         return (
-            f"{self.kernel} {str(self.dtype).removeprefix('torch.')} bs{self.block_size} "
-            f"{self.hq}/{self.hkv} D{self.head_dim} {self.layout}"
+            f"{self.kernel} {dtype_name(self.dtype)}{' fp8kv' if self.fp8_cache else ''} "
+            f"bs{self.block_size} {self.hq}/{self.hkv} D{self.head_dim} {self.layout}"
         )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def correctness_specs(plan: Plan) -> list[CaseSpec]:
     heads = plan.head_configs
-    grid = itertools.product(("decode", "prefill", "store"), plan.dtypes, plan.block_sizes)
+    kernels = ("decode", "prefill", "store")
+    dtypes = [(d, False) for d in plan.dtypes] + [(d, True) for d in plan.fp8_query_dtypes]
     return [
-        CaseSpec(kernel, dtype, bs, hq, hkv, d, layout)
-        for kernel, dtype, bs in grid
+        CaseSpec(kernel, dtype, bs, hq, hkv, d, layout, fp8)
+        for kernel, (dtype, fp8), bs in itertools.product(kernels, dtypes, plan.block_sizes)
         for hq, hkv, d in heads
         for layout in LAYOUTS
     ]
@@ -338,7 +366,15 @@ def build_paged(
             tables[b, j] = blk = ids.pop()
             piece = kv[:, j * block_size : (j + 1) * block_size]
             cache[blk, :, : piece.shape[1]] = piece
-    return cache.to(spec.dtype), tables
+    return (to_fp8(cache) if spec.fp8_cache else cache.to(spec.dtype)), tables
+
+
+def to_fp8(cache: torch.Tensor) -> torch.Tensor:
+    """cache [N, 2, bs, Hkv, D] quantized to float8_e4m3fn with FP8_SCALES (NaN stays NaN)."""
+    from pdserve.kernels.reference import quantize
+
+    k = quantize(cache[:, 0], FP8_SCALES["k_scale"], FP8)
+    return torch.stack([k, quantize(cache[:, 1], FP8_SCALES["v_scale"], FP8)], dim=1)
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -410,7 +446,8 @@ def check_decode(run: Run, spec: CaseSpec, gen: torch.Generator) -> dict:
     q = q.to(dev, spec.dtype)
     seq = torch.tensor(seq_lens, dtype=spec.index_dtype, device=dev)
     args = (q, with_layout(cache.to(dev), spec.layout), tables.to(dev), seq, spec.head_dim**-0.5)
-    return compare(paged_decode_attention(*args), paged_decode_attention_ref(*args), spec.dtype)
+    out = paged_decode_attention(*args, **spec.scales)
+    return compare(out, paged_decode_attention_ref(*args, **spec.scales), spec.dtype)
 
 
 def check_prefill(run: Run, spec: CaseSpec, gen: torch.Generator) -> dict:
@@ -425,18 +462,20 @@ def check_prefill(run: Run, spec: CaseSpec, gen: torch.Generator) -> dict:
     seq = torch.tensor(run.plan.prefill_seq_lens, dtype=spec.index_dtype, device=dev)
     cache = with_layout(cache.to(dev), spec.layout)
     args = (q, cache, tables.to(dev), qsl, seq, spec.head_dim**-0.5)
-    out = paged_prefill_attention(*args, max_query_len=max(query_lens))
-    return compare(out, paged_prefill_attention_ref(*args), spec.dtype)
+    out = paged_prefill_attention(*args, max_query_len=max(query_lens), **spec.scales)
+    return compare(out, paged_prefill_attention_ref(*args, **spec.scales), spec.dtype)
 
 
 def check_store(run: Run, spec: CaseSpec, gen: torch.Generator) -> dict:
-    """Bit-exact: a copy, and every slot it should not write keeps its old value."""
+    """Bit-exact: a copy (or the reference's fp8 quantization), and every slot it should not
+    write keeps its old value."""
     from pdserve.kernels import reshape_and_cache, reshape_and_cache_ref
 
     dev, dtype, bs = run.device, spec.dtype, spec.block_size
     t, hkv, d = run.plan.store_tokens, spec.hkv, spec.head_dim
     num_blocks = 1 + 2 * math.ceil(t / bs)
-    cache = torch.randn(num_blocks, 2, bs, hkv, d, generator=gen).to(dev, dtype)
+    cache = torch.randn(num_blocks, 2, bs, hkv, d, generator=gen)
+    cache = (to_fp8(cache) if spec.fp8_cache else cache.to(dtype)).to(dev)
     # k and v as views into one [T, 2 * Hkv, D] projection output, as a fused KV matmul gives
     kv = torch.randn(t, 2 * hkv, d, generator=gen).to(dev, dtype)
     k, v = kv[:, :hkv], kv[:, hkv:]
@@ -445,10 +484,12 @@ def check_store(run: Run, spec: CaseSpec, gen: torch.Generator) -> dict:
     slots[::7] = -1
     slots = slots.to(dev, spec.index_dtype)
     ref = cache.clone()
-    reshape_and_cache_ref(k, v, ref, slots)
+    reshape_and_cache_ref(k, v, ref, slots, **spec.scales)
     out = with_layout(cache, spec.layout)
-    reshape_and_cache(k, v, out, slots)
+    reshape_and_cache(k, v, out, slots, **spec.scales)
     diff = (out.float() - ref.float()).abs().max().item()
+    if spec.fp8_cache:  # bit patterns: torch.equal has no fp8 kernels everywhere
+        out, ref = out.view(torch.uint8), ref.view(torch.uint8)
     return {"max_abs_err": diff, "tol": 0.0, "ok": bool(torch.equal(out, ref))}
 
 
@@ -456,7 +497,8 @@ def section_correctness(run: Run, rows: list[dict]) -> dict:
     check = {"decode": check_decode, "prefill": check_prefill, "store": check_store}
     for i, spec in enumerate(correctness_specs(run.plan)):
         run.check_budget()
-        row: dict[str, Any] = dataclasses.asdict(spec) | {"dtype": str(spec.dtype)[6:]}
+        dtype = dtype_name(spec.dtype) + (" fp8kv" if spec.fp8_cache else "")
+        row: dict[str, Any] = dataclasses.asdict(spec) | {"dtype": dtype}
         t0 = time.monotonic()
         try:
             row.update(check[spec.kernel](run, spec, torch.Generator().manual_seed(i)))
@@ -512,6 +554,7 @@ def _add_bandwidth(run: Run, row: dict, key: str, num_bytes: int) -> None:
 
 def _time_decode_shape(run: Run, row: dict, batch: int, context: int) -> None:
     from pdserve.kernels import paged_decode_attention, paged_decode_attention_ref
+    from pdserve.kernels.paged_decode import auto_num_splits
 
     hq, hkv, d = run.plan.bench_heads
     cache, tables = random_paged(run, batch, context)
@@ -520,7 +563,9 @@ def _time_decode_shape(run: Run, row: dict, batch: int, context: int) -> None:
     out = torch.empty_like(q)
     scale = d**-0.5
     kv_bytes = 2 * batch * context * hkv * d * cache.element_size()  # K and V, read once
-    row.update(kv_bytes=kv_bytes, programs=batch * hkv)  # the kernel's grid is (B, Hkv)
+    splits = auto_num_splits(batch, hkv, tables.shape[1], run.plan.bench_block_size, run.device)
+    # the automatic split count, and the kernel's grid (B, Hkv, splits)
+    row.update(kv_bytes=kv_bytes, num_splits=splits, programs=batch * hkv * splits)
     keys = [f"triton_{layout}" for layout in LAYOUTS]
     for key, layout in zip(keys, LAYOUTS, strict=True):
         paged = with_layout(cache, layout)  # head_major: a copy, freed at the next loop
@@ -530,18 +575,61 @@ def _time_decode_shape(run: Run, row: dict, batch: int, context: int) -> None:
 
         measure(run, row, key, triton_call)
     del paged, triton_call  # both hold the head-major copy
+    keys += _time_decode_fixed_splits(run, row, q, cache, tables, seq, out)
     keys.append("reference")
     measure(run, row, keys[-1], lambda: paged_decode_attention_ref(q, cache, tables, seq, scale))
     keys += _time_decode_sdpa(run, row, q, cache, tables, context)
     for key in keys:  # with_gather: effective bandwidth (the gather's own traffic not counted)
         _add_bandwidth(run, row, key, kv_bytes)
+    cache8 = to_fp8(cache)  # the fp8 cache reads half the bytes
+
+    def fp8_call() -> torch.Tensor:
+        return paged_decode_attention(q, cache8, tables, seq, scale, out=out, **FP8_SCALES)
+
+    measure(run, row, "triton_fp8", fp8_call)
+    _add_bandwidth(run, row, "triton_fp8", kv_bytes // 2)
+    # Triton's time over flash SDPA's on the dense-equivalent problem (target: <= 1.5 on H200)
+    for key in ("triton_token_major", "triton_fp8"):
+        if f"{key}_us" in row and "sdpa_flash_us" in row:
+            row[f"{key}_x_flash"] = round(row[f"{key}_us"] / row["sdpa_flash_us"], 3)
+
+
+def _time_decode_fixed_splits(
+    run: Run,
+    row: dict,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    seq: torch.Tensor,
+    out: torch.Tensor,
+) -> list[str]:
+    """The kernel (token-major) at each of plan.decode_fixed_splits; records the fastest as
+    best_fixed_splits. Returns the keys it measured."""
+    from pdserve.kernels import paged_decode_attention
+
+    scale = q.shape[-1] ** -0.5
+    keys = []
+    for n in run.plan.decode_fixed_splits:
+
+        def call(n: int = n) -> torch.Tensor:
+            return paged_decode_attention(q, cache, tables, seq, scale, out=out, num_splits=n)
+
+        if measure(run, row, f"triton_s{n}", call) is not None:
+            keys.append(f"triton_s{n}")
+    if keys:
+        best = min(keys, key=lambda k: row[f"{k}_us"])
+        row.update(best_fixed_splits=int(best.removeprefix("triton_s")))
+    return keys
 
 
 def _time_decode_sdpa(
     run: Run, row: dict, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, context: int
 ) -> list[str]:
-    """SDPA on K/V gathered once beforehand, and with the gather inside the timing; also the
-    Triton kernel's error against it. Returns the keys it measured."""
+    """SDPA on K/V gathered once beforehand (any backend; flash forced), and with the gather
+    inside the timing; also the Triton kernel's error against it. Returns the keys it
+    measured."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from pdserve.kernels import paged_decode_attention
 
     scale = q.shape[-1] ** -0.5
@@ -551,13 +639,19 @@ def _time_decode_sdpa(
     out = paged_decode_attention(q, cache, tables, seq, scale)
     row["triton_vs_sdpa"] = compare(out, dense, run.plan.bench_dtype)["max_rel_err"]
     measure(run, row, "sdpa_pregathered", lambda: sdpa_decode(q, k, v, scale))
+
+    def flash() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return sdpa_decode(q, k, v, scale)
+
+    measure(run, row, "sdpa_flash", flash)
     measure(
         run,
         row,
         "sdpa_with_gather",
         lambda: sdpa_decode(q, *gather_dense(cache, tables, context), scale),
     )
-    return ["sdpa_pregathered", "sdpa_with_gather"]
+    return ["sdpa_pregathered", "sdpa_flash", "sdpa_with_gather"]
 
 
 def _release(run: Run) -> None:
@@ -578,12 +672,17 @@ def section_decode(run: Run, rows: list[dict]) -> dict:
             rows.append(row)
             run.save()
             logger.info(
-                "  decode B=%-3d ctx=%-5d triton %s us (%s of peak), sdpa %s us, ref %s us",
+                "  decode B=%-3d ctx=%-5d triton %s us (%s splits, %s of peak, %sx flash sdpa), "
+                "fp8 %s us (%sx), flash sdpa %s us, ref %s us",
                 batch,
                 context,
                 row.get("triton_token_major_us"),
+                row.get("num_splits"),
                 row.get("triton_token_major_peak_frac"),
-                row.get("sdpa_pregathered_us"),
+                row.get("triton_token_major_x_flash"),
+                row.get("triton_fp8_us"),
+                row.get("triton_fp8_x_flash"),
+                row.get("sdpa_flash_us"),
                 row.get("reference_us"),
             )
     return {}
@@ -623,14 +722,20 @@ def _time_prefill_shape(run: Run, row: dict, seq_len: int, query_len: int) -> No
     if measure(run, row, "sdpa_causal", sdpa) is not None:
         _add_tflops(row, "sdpa_causal", flops)
         dense = sdpa()[0].transpose(0, 1)  # [T, Hq, D]
-    for layout in LAYOUTS:
-        paged = with_layout(cache, layout)
+    # the two layouts of the bench cache, and an fp8 copy (its error vs SDPA: fp8 rounding)
+    variants = [
+        (layout, lambda layout=layout: with_layout(cache, layout), {}) for layout in LAYOUTS
+    ]
+    variants.append(("fp8", lambda: to_fp8(cache), FP8_SCALES))
+    for name, make_cache, scales in variants:
+        paged = make_cache()
         for block_m in run.plan.prefill_block_ms:
-            key = f"triton_{layout}_m{block_m}"
+            key = f"triton_{name}_m{block_m}"
 
-            def call(paged=paged, block_m=block_m) -> torch.Tensor:
+            def call(paged=paged, block_m=block_m, scales=scales) -> torch.Tensor:
                 args = (q, paged, tables, qsl, seq, scale)
-                return paged_prefill_attention(*args, max_query_len=query_len, block_m=block_m)
+                kw = dict(max_query_len=query_len, block_m=block_m, **scales)
+                return paged_prefill_attention(*args, **kw)
 
             if measure(run, row, key, call) is not None:
                 _add_tflops(row, key, flops)
@@ -669,19 +774,28 @@ def section_store(run: Run, rows: list[dict]) -> dict:
     plan, dev = run.plan, run.device
     t, (_, hkv, d), bs = plan.store_bench_tokens, plan.bench_heads, plan.bench_block_size
     num_blocks = 1 + math.ceil(t / bs) + 8
-    cache = torch.zeros(num_blocks, 2, bs, hkv, d, device=dev, dtype=plan.bench_dtype)
     kv = torch.randn(t, 2 * hkv, d, device=dev, dtype=plan.bench_dtype)  # fused projection
     k, v = kv[:, :hkv], kv[:, hkv:]  # [T, Hkv, D] views
     slots = (torch.randperm((num_blocks - 1) * bs, device=dev)[:t] + bs).to(torch.int32)
-    moved_bytes = 2 * 2 * t * hkv * d * cache.element_size()  # K and V, read + written
-    for layout in LAYOUTS:
+    # each layout of a bench-dtype cache; the token-major fp8 cache (quantizing on the way)
+    for layout, dtype in [*((layout, plan.bench_dtype) for layout in LAYOUTS), (LAYOUTS[0], FP8)]:
         run.check_budget()
-        row: dict[str, Any] = {"layout": layout, "tokens": t, "moved_bytes": moved_bytes}
+        cache = torch.zeros(num_blocks, 2, bs, hkv, d, device=dev, dtype=dtype)
+        scales = FP8_SCALES if dtype == FP8 else {}
+        # K and V, read (bench dtype) + written (cache dtype)
+        moved_bytes = 2 * t * hkv * d * (kv.element_size() + cache.element_size())
+        row: dict[str, Any] = {"layout": layout, "cache_dtype": dtype_name(dtype), "tokens": t}
+        row["moved_bytes"] = moved_bytes
         paged = with_layout(cache, layout)
-        measure(run, row, "triton", lambda paged=paged: reshape_and_cache(k, v, paged, slots))
-        measure(
-            run, row, "reference", lambda paged=paged: reshape_and_cache_ref(k, v, paged, slots)
-        )
+
+        def triton_call(paged: torch.Tensor = paged, scales: dict = scales) -> None:
+            reshape_and_cache(k, v, paged, slots, **scales)
+
+        def ref_call(paged: torch.Tensor = paged, scales: dict = scales) -> None:
+            reshape_and_cache_ref(k, v, paged, slots, **scales)
+
+        measure(run, row, "triton", triton_call)
+        measure(run, row, "reference", ref_call)
         for key in ("triton", "reference"):
             if f"{key}_us" in row:
                 row[f"{key}_tokens_per_s"] = round(t / row[f"{key}_us"] * 1e6)
@@ -689,8 +803,9 @@ def section_store(run: Run, rows: list[dict]) -> dict:
         rows.append(row)
         run.save()
         logger.info(
-            "  store %s: triton %s tok/s, reference %s tok/s",
+            "  store %s %s: triton %s tok/s, reference %s tok/s",
             layout,
+            row["cache_dtype"],
             row.get("triton_tokens_per_s"),
             row.get("reference_tokens_per_s"),
         )
@@ -750,11 +865,18 @@ def _correctness_md(rows: list[dict]) -> list[str]:
 DECODE_COLUMNS = [
     ("B", _col("batch")),
     ("ctx", _col("context")),
+    ("splits", _col("num_splits")),
     ("triton us", _col("triton_token_major_us")),
+    ("x flash sdpa", _col("triton_token_major_x_flash")),
     ("TB/s", _col("triton_token_major_tbps")),
     ("of peak", _col("triton_token_major_peak_frac")),
+    ("best fixed splits", _col("best_fixed_splits")),
+    ("1 split us", _col("triton_s1_us")),
+    ("fp8 us", _col("triton_fp8_us")),
+    ("fp8 x flash", _col("triton_fp8_x_flash")),
     ("head-major us", _col("triton_head_major_us")),
     ("ref us", _col("reference_us")),
+    ("flash sdpa us", _col("sdpa_flash_us")),
     ("sdpa us", _col("sdpa_pregathered_us")),
     ("sdpa of peak", _col("sdpa_pregathered_peak_frac")),
     ("sdpa+gather us", _col("sdpa_with_gather_us")),
@@ -764,6 +886,7 @@ DECODE_COLUMNS = [
 
 STORE_COLUMNS = [
     ("layout", _col("layout")),
+    ("cache", _col("cache_dtype")),
     ("tokens", _col("tokens")),
     ("triton us", _col("triton_us")),
     ("tokens/s", _col("triton_tokens_per_s")),
