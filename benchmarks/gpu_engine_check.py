@@ -185,7 +185,9 @@ def vs_hf(ctx: Context) -> dict[str, Any]:
             }
         )
     equal = all(r["equal"] == r["prompts"] for r in rows)
-    return {"status": "ok" if equal else "mismatch", "rows": rows}
+    # "highest" (no TF32) unless something in this process lowered it: both sides share it
+    precision = torch.get_float32_matmul_precision()
+    return {"status": "ok" if equal else "mismatch", "rows": rows, "fp32_matmul": precision}
 
 
 def _first_diff(got: list[int], expected: list[int]) -> int | None:
@@ -325,21 +327,37 @@ def matmul_flops(ctx: Context, dtype: torch.dtype) -> float:
     return 2 * n**3 * rounds / (time.perf_counter() - started)
 
 
-def big_engine(ctx: Context, num_seqs: int, max_len: int, **kwargs: Any) -> Any:
-    """The big preset's engine, its KV sized to num_seqs requests of max_len tokens."""
-    from pdserve.engine import LLM
+def big_engine_args(ctx: Context, num_seqs: int, max_len: int, **kwargs: Any) -> Any:
+    """EngineArgs of the big preset, its KV sized to num_seqs requests of max_len tokens, a step
+    budget that prefills them all in one step."""
+    from pdserve.engine.arg_utils import EngineArgs
 
-    model_dir = ctx.model("llama", ctx.plan.big_preset)
-    blocks = num_seqs * -(-max_len // BLOCK_SIZE) + 8
-    engine_kwargs = ctx.engine_kwargs(
-        dtype=ctx.plan.dtype,
-        num_blocks=blocks,
-        max_num_seqs=num_seqs,
-        max_num_batched_tokens=max(num_seqs * max_len, 2048),
-        max_model_len=max_len,
-        **kwargs,
+    return EngineArgs(
+        model=ctx.model("llama", ctx.plan.big_preset),
+        **ctx.engine_kwargs(
+            dtype=ctx.plan.dtype,
+            num_blocks=num_seqs * -(-max_len // BLOCK_SIZE) + 8,
+            max_num_seqs=num_seqs,
+            max_num_batched_tokens=max(num_seqs * max_len, 2048),
+            max_model_len=max_len,
+            **kwargs,
+        ),
     )
-    return LLM(model_dir, **engine_kwargs).engine
+
+
+def big_engine(
+    ctx: Context, num_seqs: int, max_len: int, kv_connector: Any = None, **kwargs: Any
+) -> Any:
+    """The big preset's LLMEngine (with kv_connector: as a prefill node builds it)."""
+    from pdserve.engine.llm_engine import LLMEngine
+
+    configs = big_engine_args(ctx, num_seqs, max_len, **kwargs).to_configs()
+    return LLMEngine(
+        configs.model_config,
+        configs.cache_config,
+        configs.scheduler_config,
+        kv_connector=kv_connector,
+    )
 
 
 def throughput(ctx: Context) -> dict[str, Any]:
@@ -393,7 +411,7 @@ def graphs(ctx: Context) -> dict[str, Any]:
     plan, rows = ctx.plan, []
     max_batch = max(plan.graph_batches)
     for eager in (False, True):
-        extra = {"enforce_eager": True} if eager else {}
+        extra = _eager(ctx) if eager else {}
         engine = big_engine(ctx, max_batch, plan.input_len + plan.output_len, **extra)
         run_batch(engine, random_prompts(2, plan.input_len, engine.vocab_size, 0), 4)
         for batch in plan.graph_batches:
@@ -412,6 +430,11 @@ def graphs(ctx: Context) -> dict[str, Any]:
     rate = {(r["batch"], r["cuda_graphs"]): r["decode_tokens_per_s"] for r in rows}
     ratios = {str(b): rate[b, True] / rate[b, False] for b in plan.graph_batches}
     return {"status": "ok", "rows": rows, "graphs_vs_eager": ratios}
+
+
+def _eager(ctx: Context) -> dict[str, Any]:
+    """enforce_eager=True, passed (like device=) only off the CPU, where it has no effect."""
+    return {"enforce_eager": True} if ctx.device.type != "cpu" else {}
 
 
 # -- disagg --------------------------------------------------------------------------------------
@@ -494,7 +517,6 @@ def _disaggregated(
     ctx: Context, loop: LoopThread, prompts: list[list[int]], max_len: int
 ) -> tuple[list[list[int]], dict[str, Any]]:
     from pdserve.engine import SamplingParams
-    from pdserve.engine.llm_engine import LLMEngine
     from pdserve.engine.outputs import SampledTokens
     from pdserve.engine.utils import cdiv
     from pdserve.kvtransfer.connector import KVPushConnector, PushTarget, kv_layout
@@ -504,7 +526,8 @@ def _disaggregated(
     sender, receiver = make_sender("tcp"), make_receiver("tcp", "127.0.0.1")
     loop.run(receiver.start())
     connector = KVPushConnector("m", sender, loop.loop)
-    prefill = _engine_with_connector(ctx, n, max_len, connector, LLMEngine)
+    # prefill steps never replay CUDA graphs: capturing them would only cost start-up time
+    prefill = big_engine(ctx, n, max_len, kv_connector=connector, **_eager(ctx))
     decode = big_engine(ctx, n, max_len)
     kv_blocks = decode.kv_blocks
     layout = kv_layout("m", kv_blocks, BLOCK_SIZE)
@@ -567,32 +590,6 @@ def _disaggregated(
         "exposed_transfer_s": scattered - prefill_done,
     }
     return [tokens[rid] for rid in ids], stats
-
-
-def _engine_with_connector(
-    ctx: Context, num_seqs: int, max_len: int, connector: Any, engine_cls: type
-) -> Any:
-    """The prefill engine: big_engine's arguments, with the connector (as the node builds it)."""
-    from pdserve.engine.arg_utils import EngineArgs
-
-    model_dir = ctx.model("llama", ctx.plan.big_preset)
-    args = EngineArgs(
-        model=model_dir,
-        **ctx.engine_kwargs(
-            dtype=ctx.plan.dtype,
-            num_blocks=num_seqs * -(-max_len // BLOCK_SIZE) + 8,
-            max_num_seqs=num_seqs,
-            max_num_batched_tokens=max(num_seqs * max_len, 2048),
-            max_model_len=max_len,
-        ),
-    )
-    configs = args.to_configs()
-    return engine_cls(
-        configs.model_config,
-        configs.cache_config,
-        configs.scheduler_config,
-        kv_connector=connector,
-    )
 
 
 # -- driver --------------------------------------------------------------------------------------
