@@ -18,6 +18,7 @@ from dataclasses import MISSING, dataclass, fields, is_dataclass
 from typing import Any, Literal, NamedTuple, Union, get_args, get_origin, get_type_hints
 
 from pdserve.engine.config import (
+    KV_CACHE_DTYPES,
     SUPPORTED_DTYPES,
     CacheConfig,
     LoRAConfig,
@@ -175,9 +176,14 @@ class EngineArgs:
     max_model_len: int | None = ModelConfig.max_model_len
     seed: int = ModelConfig.seed
     attention_backend: str = ModelConfig.attention_backend
+    device: str = ModelConfig.device
+    enforce_eager: bool = ModelConfig.enforce_eager
     block_size: int = CacheConfig.block_size
     num_blocks: int | None = CacheConfig.num_blocks
     kv_cache_memory: float = CacheConfig.kv_cache_memory
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
@@ -240,11 +246,16 @@ class EngineArgs:
                 max_model_len=self.max_model_len,
                 seed=self.seed,
                 attention_backend=self.attention_backend,
+                device=self.device,
+                enforce_eager=self.enforce_eager,
             ),
             CacheConfig(
                 block_size=self.block_size,
                 num_blocks=self.num_blocks,
                 kv_cache_memory=self.kv_cache_memory,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             SchedulerConfig(
@@ -313,6 +324,7 @@ def _speculative_json(value: SpeculativeConfig | Mapping[str, Any]) -> str:
 _FLAG_KWARGS: dict[str, dict[str, Any]] = {
     "dtype": {"choices": ("auto", *SUPPORTED_DTYPES)},
     "attention_backend": {"choices": ("auto", "torch", "cpu", "triton")},
+    "kv_cache_dtype": {"choices": KV_CACHE_DTYPES},
     "speculative_config": {"type": _speculative_config_flag, "metavar": "JSON"},
 }
 """argparse settings a field's type hint does not give."""

@@ -106,7 +106,7 @@ class AttentionMetadata:
         if rows is None:
             bs = self.block_size
             blocks, offsets = self.slot_mapping // bs, self.slot_mapping % bs
-            heads = torch.arange(num_kv_heads)
+            heads = torch.arange(num_kv_heads, device=self.slot_mapping.device)
             rows = ((blocks * 2 * num_kv_heads).unsqueeze(1) + heads) * bs + offsets.unsqueeze(1)
             rows = rows.reshape(-1)
             self.__dict__["_kv_rows"] = rows
@@ -262,29 +262,55 @@ def write_kv(
     meta: AttentionMetadata,
     kernels: AttentionKernels | None = None,
 ) -> None:
-    """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache."""
+    """Store new tokens' K and V ([T, Hkv, D]) at their slots of one layer's cache (a float8
+    cache: rounded to it, saturated at its largest finite value; scale 1.0)."""
     if kernels is not None and kernels.store is not None and not kv_cache.is_cuda:
         kernels.store(k, v, kv_cache, meta.slot_mapping)
         return
     _, _, hkv, bs, d = kv_cache.shape
-    rows = kv_cache.view(-1, d)
     index = meta.kv_rows(hkv)
+    if is_fp8(kv_cache):  # index_copy_ has no float8 kernel: move the bytes
+        k, v = (
+            to_fp8(k, kv_cache.dtype).view(torch.uint8),
+            to_fp8(v, kv_cache.dtype).view(torch.uint8),
+        )
+        kv_cache = kv_cache.view(torch.uint8)
+    rows = kv_cache.view(-1, d)
     rows.index_copy_(0, index, k.reshape(-1, d))
     rows.index_copy_(0, index + hkv * bs, v.reshape(-1, d))
 
 
+def is_fp8(kv_cache: torch.Tensor) -> bool:
+    """Whether kv_cache holds float8 values (CacheConfig.kv_cache_dtype fp8)."""
+    return kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to a float8 dtype, saturated at its largest finite value (a plain cast turns
+    what is out of range into NaN)."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor
+    kv_cache: torch.Tensor, block_table: torch.Tensor, dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of the blocks in block_table ([..., nb]) as [..., Hkv, nb * block_size, D]."""
+    """K and V of the blocks in block_table ([..., nb]) as [..., Hkv, nb * block_size, D], in
+    dtype (a float8 cache's values widened to it; default: the cache's dtype)."""
     num_blocks, _, hkv, bs, d = kv_cache.shape
-    per_head = kv_cache.view(num_blocks * 2 * hkv, bs * d)  # one row = one head of one block
-    heads = torch.arange(hkv).unsqueeze(-1)  # [Hkv, 1]
+    fp8 = is_fp8(kv_cache)
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache  # index_select: no float8 kernel
+    per_head = cache.view(num_blocks * 2 * hkv, bs * d)  # one row = one head of one block
+    heads = torch.arange(hkv, device=block_table.device).unsqueeze(-1)  # [Hkv, 1]
     k_rows = block_table.unsqueeze(-2) * (2 * hkv) + heads  # [..., Hkv, nb]
     lead = block_table.shape[:-1]
     nb = block_table.shape[-1]
     keys = per_head.index_select(0, k_rows.reshape(-1)).view(*lead, hkv, nb * bs, d)
     values = per_head.index_select(0, (k_rows + hkv).reshape(-1)).view(*lead, hkv, nb * bs, d)
+    if fp8:
+        keys, values = keys.view(kv_cache.dtype), values.view(kv_cache.dtype)
+    if dtype is not None and dtype != kv_cache.dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
     return keys, values
 
 
@@ -339,7 +365,7 @@ def _decode_attention(
     """One query per request, batched: [B, Hq, D] over each request's padded context.
     Batched matmuls with the query heads of a KV head grouped (GQA without repeating K/V);
     softmax in fp32. For single-token queries this beats SDPA's CPU kernels several times."""
-    keys, values = gather_kv(kv_cache, meta.decode_block_tables)  # [B, Hkv, L, D]
+    keys, values = gather_kv(kv_cache, meta.decode_block_tables, q.dtype)  # [B, Hkv, L, D]
     b, hq, d = q.shape
     _, hkv, length, _ = keys.shape
     group = hq // hkv
@@ -385,13 +411,13 @@ def _prefill_attention(
         values = F.pad(v.transpose(0, 1), (0, 0, 0, pad))
         mask = None
     else:
-        keys, values = gather_kv(kv_cache, seq.block_table)  # [Hkv, L, D]
+        keys, values = gather_kv(kv_cache, seq.block_table, q.dtype)  # [Hkv, L, D]
         keys, values = keys[:, : seq.context_len], values[:, : seq.context_len]
         # Query i sits at position context_len - query_len + i and sees keys at positions <= it
         # (a padded query, past the last position, sees them all).
         start = seq.context_len - tq
-        q_pos = torch.arange(start, start + tq + pad).unsqueeze(1)
-        mask = torch.arange(seq.context_len).unsqueeze(0) <= q_pos  # [Tq + pad, L]
+        q_pos = torch.arange(start, start + tq + pad, device=q.device).unsqueeze(1)
+        mask = torch.arange(seq.context_len, device=q.device).unsqueeze(0) <= q_pos  # [Tq+pad, L]
     out = F.scaled_dot_product_attention(
         queries,
         keys.unsqueeze(0),
@@ -425,7 +451,7 @@ def _window_keys(
     else:
         block_size = kv_cache.shape[3]
         first_block = max(0, start - window + 1) // block_size
-        keys, values = gather_kv(kv_cache, seq.block_table[first_block:])
+        keys, values = gather_kv(kv_cache, seq.block_table[first_block:], k.dtype)
         first = first_block * block_size
         keys, values = keys[:, : context_len - first], values[:, : context_len - first]
     device = keys.device

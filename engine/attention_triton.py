@@ -35,29 +35,49 @@ def triton_paged_attention(
             out=out[:nd],
         )
     if meta.prefills:
-        seqs = meta.prefills
-        first = seqs[0].query_start
-        assert first == nd, "the multi-token requests follow the decodes"
-        # The prefills are contiguous and in batch order: one varlen launch over q[nd:end].
-        starts = [s.query_start - first for s in seqs]
-        for s, nxt in zip(seqs, starts[1:], strict=False):
-            assert s.query_start - first + s.query_len == nxt, "prefills must be contiguous"
-        end = seqs[-1].query_start + seqs[-1].query_len
-        query_start_loc = torch.tensor(starts + [end - first], dtype=torch.int32)
-        seq_lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
-        block_tables = torch.nn.utils.rnn.pad_sequence(
-            [s.block_table.to(q.device, torch.int64) for s in seqs],
-            batch_first=True,
-            padding_value=0,  # pad with the null block
-        )
+        first, end, query_start_loc, seq_lens, block_tables = _prefill_args(meta, q.device)
         paged_prefill_attention(
             q[first:end],
             kv_cache,
             block_tables,
-            query_start_loc.to(q.device, non_blocking=True),
-            seq_lens.to(q.device, non_blocking=True),
+            query_start_loc,
+            seq_lens,
             scale,
-            max_query_len=max(s.query_len for s in seqs),
+            max_query_len=max(s.query_len for s in meta.prefills),
             out=out[first:end],
         )
     return out
+
+
+def _prefill_args(
+    meta: AttentionMetadata, device: torch.device
+) -> tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first row, end row, query_start_loc, seq_lens, block_tables) of the step's prefills on
+    device: built once per step (the first layer) and shared by every layer."""
+    args = meta.__dict__.get("_triton_prefill")
+    if args is not None:
+        return args
+    seqs = meta.prefills
+    first = seqs[0].query_start
+    assert first == meta.num_decode_tokens, "the multi-token requests follow the decodes"
+    # The prefills are contiguous and in batch order: one varlen launch over q[first:end].
+    starts = [s.query_start - first for s in seqs]
+    for s, nxt in zip(seqs, starts[1:], strict=False):
+        assert s.query_start - first + s.query_len == nxt, "prefills must be contiguous"
+    end = seqs[-1].query_start + seqs[-1].query_len
+    query_start_loc = torch.tensor(starts + [end - first], dtype=torch.int32)
+    seq_lens = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
+    block_tables = torch.nn.utils.rnn.pad_sequence(
+        [s.block_table.to(device, torch.int64) for s in seqs],
+        batch_first=True,
+        padding_value=0,  # pad with the null block
+    )
+    args = (
+        first,
+        end,
+        query_start_loc.to(device, non_blocking=True),
+        seq_lens.to(device, non_blocking=True),
+        block_tables,
+    )
+    meta.__dict__["_triton_prefill"] = args
+    return args

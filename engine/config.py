@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-SUPPORTED_DTYPES = ("float32", "bfloat16")
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+"""Weight dtypes; float16 on CUDA only (on a CPU it is ~1000x slower than bfloat16)."""
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,8 @@ class ModelConfig:
     tokenizer: str | None = None
     """Tokenizer directory (or GGUF file) to use instead of the model's."""
     dtype: str = "auto"
-    """Weights and KV dtype: "float32", "bfloat16" or "auto" (the checkpoint's, float16 -> bfloat16)."""
+    """Weights and KV dtype: "float32", "bfloat16", "float16" (CUDA only) or "auto" (the
+    checkpoint's, float16 -> bfloat16)."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
     seed: int = 0
@@ -31,13 +34,25 @@ class ModelConfig:
     attention_backend: str = "auto"
     """How layers attend over the paged KV cache: "cpu" (the compiled CPU kernels), "torch"
     (the pure-torch reference), "triton" (CUDA, or a CPU under TRITON_INTERPRET=1: slow, fp32,
-    for tests) or "auto" (cpu where its kernels build, else torch)."""
+    for tests) or "auto" (triton on CUDA; on a CPU the cpu kernels where they build, else torch)."""
+    device: str = "auto"
+    """Where weights, KV cache and sampling live: "cpu", "cuda", "cuda:N" or "auto" (the first
+    CUDA GPU when torch sees one, else the CPU)."""
+    enforce_eager: bool = False
+    """CUDA: run every step eagerly. By default decode-only steps replay CUDA graphs captured
+    at start for batch sizes 1, 2, 4, 8, 16, 24, ... up to min(max_num_seqs, 256) (a batch runs
+    padded to the next size). No effect on a CPU."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in (*SUPPORTED_DTYPES, "auto"):
+        if self.device != "auto" and not _is_device_name(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        cpu_dtypes = tuple(d for d in SUPPORTED_DTYPES if d != "float16")
+        on_cpu = self.device == "cpu" or (self.device == "auto" and not _cuda_visible())
+        if self.dtype not in (*(cpu_dtypes if on_cpu else SUPPORTED_DTYPES), "auto"):
             raise ValueError(
-                f"dtype must be one of {SUPPORTED_DTYPES} or 'auto', got {self.dtype!r} "
-                "(float16 is not supported on CPU: it is ~1000x slower than bfloat16)"
+                f"dtype must be one of {cpu_dtypes if on_cpu else SUPPORTED_DTYPES} or 'auto', "
+                f"got {self.dtype!r} (float16 runs on CUDA only: on a CPU it is ~1000x slower "
+                "than bfloat16)"
             )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
@@ -46,6 +61,19 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_device_name(name: str) -> bool:
+    kind, _, index = name.partition(":")
+    if kind == "cpu":
+        return not index
+    return kind == "cuda" and (not index or index.isdigit())
 
 
 @dataclass(frozen=True)
@@ -57,8 +85,18 @@ class CacheConfig:
     num_blocks: int | None = None
     """Number of KV blocks (block 0 is the reserved null block); overrides kv_cache_memory."""
     kv_cache_memory: float = 4.0
-    """KV cache size in GiB when num_blocks is not given (the CPU analogue of vLLM's
-    --gpu-memory-utilization)."""
+    """CPU: KV cache size in GiB when num_blocks is not given (the CPU analogue of
+    gpu_memory_utilization)."""
+    gpu_memory_utilization: float = 0.9
+    """CUDA: the fraction of the GPU's memory this engine may use; after the weights and the
+    activations of a profiled max-size step, the rest of it becomes KV blocks (vLLM's flag)."""
+    num_gpu_blocks_override: int | None = None
+    """CUDA: this many KV blocks, skipping the memory profile (vLLM's flag; num_blocks does
+    the same on any device)."""
+    kv_cache_dtype: str = "auto"
+    """KV cache dtype: "auto" (the model's dtype) or "fp8" / "fp8_e4m3" (float8 e4m3, one
+    scale per tensor, 1.0 as vLLM's default without calibration: half the bytes of bfloat16;
+    the torch and triton attention backends read it, the cpu kernels do not)."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks whose chained hash matches an earlier request's."""
 
@@ -71,6 +109,19 @@ class CacheConfig:
             )
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            raise ValueError(
+                "num_gpu_blocks_override must be >= 2 (one is the null block), "
+                f"got {self.num_gpu_blocks_override}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
 
 
 @dataclass(frozen=True)

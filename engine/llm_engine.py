@@ -19,7 +19,12 @@ from typing import Protocol
 
 import torch
 
-from pdserve.engine.attention import attention_backend
+from pdserve.engine.attention import (
+    AttentionBackend,
+    CpuAttention,
+    TorchAttention,
+    attention_backend,
+)
 from pdserve.engine.config import (
     CacheConfig,
     LoRAConfig,
@@ -28,11 +33,14 @@ from pdserve.engine.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from pdserve.engine.device import kv_cache_torch_dtype, resolve_device
+from pdserve.engine.gpu_memory import dummy_step, gpu_num_blocks
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.model_runner import ModelRunner, PromptLogprobsTask, kv_block_bytes
 from pdserve.engine.models import gguf
+from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.loader import ModelArch, load_model, parse_model_arch
 from pdserve.engine.outputs import (
     EngineLoad,
@@ -131,15 +139,23 @@ class LLMEngine:
                 torch.get_num_threads(),
                 pp_size,
             )
+        self.device = self._device(tp_size, pp_size, lora_config)
         model, arch = load_model(
             model_config.model, model_config.dtype, model_config.max_model_len, 0, tp_size, 0,
-            pp_size,
+            pp_size, self.device,
         )  # fmt: skip
         self.arch: ModelArch = arch
         self.dtype = next(model.parameters()).dtype
+        self.kv_dtype = kv_cache_torch_dtype(self.cache_config.kv_cache_dtype, self.dtype)
+        """The KV cache's dtype (the model's, or float8 with kv_cache_dtype fp8)."""
+        if self.kv_dtype != self.dtype and self.tp is not None:
+            raise ValueError(
+                "a float8 KV cache with tensor or pipeline parallelism is not supported yet"
+            )
+        attention = self._attention_backend()
         self.tokenizer = Tokenizer.from_pretrained(model_config.tokenizer or model_config.model)
         self.max_model_len = self._max_model_len(arch)
-        self.num_blocks = self._num_blocks(arch)
+        self.num_blocks = self._num_blocks(arch, model, attention)
         tokenizer_eos = self.tokenizer.eos_token_id
         self.eos_token_ids: tuple[int, ...] = arch.eos_token_ids or (
             (tokenizer_eos,) if tokenizer_eos is not None else ()
@@ -163,12 +179,15 @@ class LLMEngine:
         self.runner = ModelRunner(
             model,
             arch,
-            self.dtype,
+            self.kv_dtype,
             self.num_blocks,
             self.cache_config.block_size,
             lora=self.lora,
-            attention=attention_backend(model_config.attention_backend),
+            attention=attention,
+            device=self.device,
         )
+        if self.device.type == "cuda" and not model_config.enforce_eager:
+            self._capture_decode_graphs()
         if self.tp is not None:
             self.tp.start_workers(self.num_blocks, self.cache_config.block_size)
             self.runner.tp = self.tp
@@ -181,11 +200,14 @@ class LLMEngine:
         self.speculator = self._speculator(speculative_config)
         self._seed_rng = random.Random(model_config.seed)
         logger.info(
-            "engine ready in %.1fs: %s (%s, %s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready in %.1fs: %s (%s, %s on %s, KV %s), %d KV blocks of %d tokens, "
+            "max_model_len %d",
             time.monotonic() - start,
             model_config.model,
             arch.architecture,
-            self.dtype,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            str(self.kv_dtype).removeprefix("torch."),
             self.num_blocks,
             self.cache_config.block_size,
             self.max_model_len,
@@ -200,19 +222,73 @@ class LLMEngine:
             )
         return asked or limit
 
-    def _num_blocks(self, arch: ModelArch) -> int:
+    def _device(self, tp_size: int, pp_size: int, lora_config: LoRAConfig | None) -> torch.device:
+        device = resolve_device(self.model_config.device)
+        if device.type == "cuda":
+            if tp_size > 1 or pp_size > 1:
+                raise ValueError("tensor or pipeline parallelism on CUDA is not supported yet")
+            if lora_config is not None:
+                raise ValueError("LoRA on CUDA is not supported yet")
+            torch.cuda.set_device(device)  # Triton launches on the current device
+        return device
+
+    def _attention_backend(self) -> AttentionBackend:
+        """The model config's backend for this device; a float8 KV cache needs one that reads
+        it (auto takes torch's on a CPU)."""
+        name = self.model_config.attention_backend
+        if name == "cpu" and self.device.type != "cpu":
+            raise ValueError(f"the cpu attention backend cannot run on {self.device}")
+        backend = attention_backend(name, self.device.type)
+        if self.kv_dtype != self.dtype and isinstance(backend, CpuAttention):
+            if name == "cpu":
+                raise ValueError(
+                    "the cpu attention kernels do not read a float8 KV cache: use "
+                    "attention_backend torch (or triton), or kv_cache_dtype auto"
+                )
+            backend = TorchAttention()
+        return backend
+
+    def _num_blocks(self, arch: ModelArch, model: CausalLM, attention: AttentionBackend) -> int:
         cfg = self.cache_config
         if cfg.num_blocks is not None:
             return cfg.num_blocks
-        per_block = kv_block_bytes(arch, cfg.block_size, self.dtype)
-        num_blocks = int(cfg.kv_cache_memory * GiB) // per_block
+        per_block = kv_block_bytes(arch, cfg.block_size, self.kv_dtype)
         needed_one = cdiv(self.max_model_len, cfg.block_size) + 1
+        if self.device.type == "cuda":
+            num_blocks = cfg.num_gpu_blocks_override or self._profiled_num_blocks(
+                arch, model, attention, per_block
+            )
+            what = f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves room for"
+        else:
+            num_blocks = int(cfg.kv_cache_memory * GiB) // per_block
+            what = f"kv_cache_memory {cfg.kv_cache_memory} GiB holds"
         if num_blocks < needed_one:
             raise ValueError(
-                f"kv_cache_memory {cfg.kv_cache_memory} GiB holds {num_blocks} blocks, fewer than "
-                f"the {needed_one} one max_model_len request needs"
+                f"{what} {num_blocks} blocks, fewer than the {needed_one} one max_model_len "
+                "request needs"
             )
         return num_blocks
+
+    def _profiled_num_blocks(
+        self, arch: ModelArch, model: CausalLM, attention: AttentionBackend, per_block: int
+    ) -> int:
+        sched, bs = self.scheduler_config, self.cache_config.block_size
+        step = dummy_step(sched.max_num_batched_tokens, sched.max_num_seqs, self.max_model_len, bs)
+        return gpu_num_blocks(
+            model, arch, self.kv_dtype, bs, per_block, self.cache_config.gpu_memory_utilization,
+            step, attention, self.device,
+        )  # fmt: skip
+
+    def _capture_decode_graphs(self) -> None:
+        """CUDA graphs for decode steps; a capture that fails leaves the engine eager (logged:
+        the step is the same, only slower)."""
+        try:
+            self.runner.capture_decode_graphs(
+                self.scheduler_config.max_num_seqs, self.max_model_len
+            )
+        except Exception:
+            logger.exception("CUDA graph capture failed; decode steps run eagerly")
+            self.runner.graphs = None
 
     def _speculator(self, config: SpeculativeConfig | None) -> Speculator | None:
         if config is None:
@@ -224,6 +300,7 @@ class LLMEngine:
             self.max_model_len,
             self.num_blocks,
             self.cache_config.block_size,
+            self.device,
         )
         logger.info("speculative decoding: %s", config)
         return Speculator(config, proposer, self.max_model_len)

@@ -24,6 +24,7 @@ from pdserve.engine.attention import (
     PrefillSeq,
     attention_backend,
 )
+from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.loader import ModelArch
@@ -35,7 +36,6 @@ from pdserve.engine.sampler import (
     SampleRow,
     SamplingMetadata,
     token_logprobs,
-    use_cpu_sampling_ops,
 )
 from pdserve.engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
 from pdserve.engine.utils import cdiv
@@ -117,18 +117,24 @@ class PagedModel:
         block_size: int,
         attention: AttentionBackend | None = None,
         fused_ops: ModuleType | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        """fused_ops: the compiled CPU layers the model runs on (cpu_ops()), None: torch's."""
+        """dtype: the KV cache's (the model's, or float8_e4m3fn); fused_ops: the compiled CPU
+        layers the model runs on (cpu_ops()), None: torch's; device: where the model's
+        parameters are (the cache goes there too; default: the CPU)."""
         self.model = model
         model.use_cpu_fused_ops(fused_ops)
-        self.attention = attention or attention_backend("auto")
+        self.device = device or torch.device("cpu")
+        self.attention = attention or attention_backend("auto", self.device.type)
         """How this model's layers attend (engine/attention.py), chosen once here."""
         self.arch = arch
         self.block_size = block_size
         # [num_layers, num_blocks, 2, num_kv_heads, block_size, head_dim] (engine/attention.py)
-        self.kv_cache = zeroed_lazily(
-            (model.arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)), dtype
-        )
+        shape = (model.arch.num_layers, *model.kv_cache_shape(num_blocks, block_size))
+        if self.device.type == "cpu":
+            self.kv_cache = zeroed_lazily(shape, dtype)
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv_caches = list(self.kv_cache.unbind(0))
         self.forward_time_s = 0.0
         """Time spent in the model forward (transformer layers), summed over steps."""
@@ -138,6 +144,41 @@ class PagedModel:
         self.tp: TensorParallelGroup | None = None
         """Tensor parallelism (engine/parallel.py): each forward's inputs go to the other
         ranks first, which run it in lockstep."""
+        self.graphs: DecodeGraphs | None = None
+        """Decode-only steps replay these (engine/cuda_graphs.py), once captured."""
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward for a ladder of batch sizes up to max_num_seqs (CUDA
+        graphs; on a CPU the same static buffers, run eagerly)."""
+        graphs = DecodeGraphs(
+            self._run_model,
+            self._decode_meta,
+            self.device,
+            max_num_seqs,
+            max_model_len,
+            self.block_size,
+        )
+        with torch.inference_mode():
+            graphs.capture()
+        self.graphs = graphs
+
+    def _decode_meta(
+        self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+    ) -> AttentionMetadata:
+        """A decode-only batch's metadata over (static) tensors on the device."""
+        width = block_tables.shape[1] * self.block_size
+        positions = torch.arange(width, device=seq_lens.device)
+        mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1))[:, None, None, :]
+        return AttentionMetadata(
+            slot_mapping,
+            len(slot_mapping),
+            block_tables,
+            seq_lens,
+            mask,
+            [],
+            self.block_size,
+            self.attention,
+        )
 
     @torch.inference_mode()
     def compute_logits(self, chunks: Sequence[ScheduledChunk]) -> torch.Tensor:
@@ -152,10 +193,14 @@ class PagedModel:
         chunk in chunk order, the row just past its last token."""
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
         batch = [chunks[i] for i in order]  # decodes first (engine/attention.py)
-        input_ids, positions, meta = self._prepare_inputs(batch)
-        self._set_lora(batch)
-        start = time.perf_counter()
-        hidden = self._run_model(input_ids, positions, meta)
+        if self.graphs is not None and self.lora is None and self.graphs.accepts(batch):
+            start = time.perf_counter()
+            hidden = self.graphs.run(batch)
+        else:
+            input_ids, positions, meta = self._prepare_inputs(batch)
+            self._set_lora(batch)
+            start = time.perf_counter()
+            hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         ends = [0] * len(chunks)
         offset = 0
@@ -174,7 +219,8 @@ class PagedModel:
         ]
         if not index:
             return hidden.new_zeros((0, self.arch.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(index, dtype=torch.long)])
+        rows = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
+        return self.model.compute_logits(hidden[rows])
 
     @torch.inference_mode()
     def hidden_states(self, chunks: Sequence[ScheduledChunk]) -> list[torch.Tensor]:
@@ -235,10 +281,22 @@ class PagedModel:
             offset += n
         slot_mapping = torch.cat([torch.tensor(slots, dtype=torch.long), *prefill_slots])
         block_tables, seq_lens, mask = self._decode_tables(decodes)
+        input_ids, positions = (
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(pos, dtype=torch.long),
+        )
+        if self.device.type != "cpu":
+            input_ids, positions, slot_mapping, block_tables, seq_lens = (
+                _to_device(t, self.device)
+                for t in (input_ids, positions, slot_mapping, block_tables, seq_lens)
+            )
+            mask = None if mask is None else _to_device(mask, self.device)
+            for seq in prefills:
+                seq.block_table = _to_device(seq.block_table, self.device)
         meta = AttentionMetadata(
             slot_mapping, nd, block_tables, seq_lens, mask, prefills, bs, self.attention
         )
-        return torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta
+        return input_ids, positions, meta
 
     def _decode_tables(
         self, decodes: list[ScheduledChunk]
@@ -256,6 +314,12 @@ class PagedModel:
         return block_tables, lens, mask[:, None, None, :]
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step input (a few KiB) copied to the device. From pageable memory the driver stages
+    the copy itself; pinning each small tensor would cost more than it saves."""
+    return t.to(device, non_blocking=True)
+
+
 class ModelRunner(PagedModel):
     """The target model: computes a step's chunks in one forward, samples a token for every
     chunk that reaches its end and verifies the speculative tokens chunks carry."""
@@ -270,13 +334,18 @@ class ModelRunner(PagedModel):
         use_cpu_kernels: bool = True,
         lora: LoRAManager | None = None,
         attention: AttentionBackend | None = None,
+        device: torch.device | None = None,
     ) -> None:
-        ops = cpu_ops() if use_cpu_kernels else None
-        super().__init__(model, arch, dtype, num_blocks, block_size, attention, ops)
+        """dtype: the KV cache's; use_cpu_kernels: the compiled CPU layers and sampling kernels
+        (on a CPU device)."""
+        on_cpu = device is None or device.type == "cpu"
+        ops = cpu_ops() if use_cpu_kernels and on_cpu else None
+        super().__init__(model, arch, dtype, num_blocks, block_size, attention, ops, device)
         self.lora = lora
+        self.sampling_ops = ops
+        """The compiled CPU kernels sampling uses (SamplingMetadata.cpu_ops), None: torch's."""
         self.sampler = Sampler()
-        self.rejection_sampler = RejectionSampler()
-        use_cpu_sampling_ops(ops)
+        self.rejection_sampler = RejectionSampler(ops)
 
     @torch.inference_mode()
     def execute(
@@ -323,7 +392,7 @@ class ModelRunner(PagedModel):
             targets = task.targets[start : start + PROMPT_LOGPROBS_ROWS]
             rows = hidden[first_row + start : first_row + start + len(targets)]
             raw = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
-            tokens = torch.tensor(targets, dtype=torch.long)
+            tokens = torch.tensor(targets, dtype=torch.long).to(raw.device)
             out += token_logprobs(raw, tokens, [task.num_top] * len(targets))
         return out
 
@@ -335,7 +404,10 @@ class ModelRunner(PagedModel):
     ) -> dict[str, SampledTokens]:
         index = torch.tensor([offset for _, offset in chunks], dtype=torch.long)
         sample_rows = [rows[c.request_id] for c, _ in chunks]
-        out = self.sampler(logits[index], SamplingMetadata.build(sample_rows, logits.shape[-1]))
+        meta = SamplingMetadata.build(
+            sample_rows, logits.shape[-1], logits.device, self.sampling_ops
+        )
+        out = self.sampler(logits[index.to(logits.device)], meta)
         return {
             c.request_id: SampledTokens([tok], [lp] if lp is not None else None)
             for (c, _), tok, lp in zip(chunks, out.token_ids, out.logprobs, strict=True)
@@ -358,8 +430,10 @@ class ModelRunner(PagedModel):
                 DraftsToVerify(
                     rows[chunk.request_id],
                     chunk.token_ids[-k:],
-                    None if probs is None else probs[:k],
+                    None if probs is None else probs[:k].cpu(),
                 )
             )
-        results = self.rejection_sampler(logits[torch.tensor(index, dtype=torch.long)], items)
+        # Verification runs on the host (one copy of the verified rows' logits per step).
+        verified = logits[torch.tensor(index, dtype=torch.long).to(logits.device)].cpu()
+        results = self.rejection_sampler(verified, items)
         return {c.request_id: r for (c, _), r in zip(chunks, results, strict=True)}

@@ -9,7 +9,7 @@ order, and resumes identically from any position.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -28,28 +28,19 @@ ACCEPT_STREAM = 2
 """uniform_noise stream of the rejection sampler's acceptance tests."""
 
 
-_argmax_kernel: Callable[[Tensor], Tensor] | None = None
-
-
-def use_cpu_sampling_ops(ops: ModuleType | None) -> None:
-    """Take row argmaxes through the compiled argmax_rows (pdserve_kernels/cpu), or through torch with
-    None."""
-    global _argmax_kernel
-    _argmax_kernel = ops.argmax_rows if ops is not None else None
-
-
-def argmax_rows(x: Tensor) -> Tensor:
+def argmax_rows(x: Tensor, ops: ModuleType | None = None) -> Tensor:
     """x.argmax(dim=-1) of a 2-D tensor (the same answer: the first index of the maximum, or of
-    the first NaN), through the compiled kernel for contiguous float32 CPU rows."""
+    the first NaN); for contiguous float32 CPU rows through ops.argmax_rows when ops (the
+    compiled CPU kernels a runner chose, SamplingMetadata.cpu_ops) is given."""
     if (
-        _argmax_kernel is not None
+        ops is not None
         and x.dtype == torch.float32
         and x.dim() == 2
         and x.shape[1] > 0
         and not x.is_cuda
         and x.is_contiguous()
     ):
-        return _argmax_kernel(x)
+        return ops.argmax_rows(x)
     return x.argmax(dim=-1)
 
 
@@ -109,14 +100,17 @@ def uniform_noise(seeds: Tensor, positions: Tensor, width: int, stream: int = 0)
     return _shr(bits, 9, 32).float().add_(0.5).mul_(2.0**-23)
 
 
-def random_sample(probs: Tensor, seeds: Tensor, positions: Tensor, stream: int = 0) -> Tensor:
-    """Draw one token per row of probs [N, V] (need not be normalised) -> [N] int64.
+def random_sample(
+    probs: Tensor, seeds: Tensor, positions: Tensor, stream: int = 0, ops: ModuleType | None = None
+) -> Tensor:
+    """Draw one token per row of probs [N, V] (need not be normalised) -> [N] int64 (ops: as
+    argmax_rows's).
 
     Exponential race: argmax(p_i / E_i) with E_i = -log(u_i) ~ Exp(1) picks i with
     probability p_i / sum(p), and only compares within a row, so rows never interact.
     """
     exponentials = uniform_noise(seeds, positions, probs.shape[-1], stream).log_().neg_()
-    return argmax_rows(probs / exponentials)
+    return argmax_rows(probs / exponentials, ops)
 
 
 @dataclass
@@ -237,10 +231,15 @@ class SamplingMetadata:
     """[L] int64 rows that want logprobs; None when none do."""
     max_num_logprobs: int
     """The largest top-N any row asks for (0 when none)."""
+    cpu_ops: ModuleType | None = None
+    """The compiled CPU kernels the runner chose (argmax_rows), None: torch's."""
 
     @staticmethod
     def build(
-        rows: list[SampleRow], vocab_size: int, device: torch.device | str = "cpu"
+        rows: list[SampleRow],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        cpu_ops: ModuleType | None = None,
     ) -> SamplingMetadata:
         device = torch.device(device)
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
@@ -279,6 +278,7 @@ class SamplingMetadata:
             num_logprobs=num_logprobs,
             logprob_rows=column(logprob_rows, torch.int64, bool(logprob_rows)),
             max_num_logprobs=max((n for n in num_logprobs if n is not None), default=0),
+            cpu_ops=cpu_ops,
         )
 
 
@@ -497,7 +497,7 @@ def compute_probs(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     logits = process_logits(logits.float(), meta)
     if meta.all_random:
         return _random_probs(logits, meta)
-    probs = torch.zeros_like(logits).scatter_(1, argmax_rows(logits)[:, None], 1.0)
+    probs = torch.zeros_like(logits).scatter_(1, argmax_rows(logits, meta.cpu_ops)[:, None], 1.0)
     if not meta.all_greedy:
         probs[meta.random_rows] = _random_probs(logits, meta)
     return probs
@@ -523,11 +523,12 @@ class Sampler:
     @staticmethod
     def _sample(logits: Tensor, meta: SamplingMetadata) -> Tensor:
         if meta.all_greedy:
-            return argmax_rows(logits)
-        sampled = random_sample(_random_probs(logits, meta), meta.seeds, meta.positions)
+            return argmax_rows(logits, meta.cpu_ops)
+        probs = _random_probs(logits, meta)
+        sampled = random_sample(probs, meta.seeds, meta.positions, ops=meta.cpu_ops)
         if meta.all_random:
             return sampled
-        return argmax_rows(logits).index_copy_(0, meta.random_rows, sampled)
+        return argmax_rows(logits, meta.cpu_ops).index_copy_(0, meta.random_rows, sampled)
 
 
 def compute_logprobs(

@@ -278,12 +278,14 @@ def parse_model_arch(model_dir: str) -> ModelArch:
     )
 
 
-def resolve_dtype(dtype: str, arch: ModelArch) -> torch.dtype:
-    """ "auto" -> the checkpoint's dtype with float16 mapped to bfloat16 (fp16 is slow on CPU)."""
+def resolve_dtype(dtype: str, arch: ModelArch, device: torch.device | str = "cpu") -> torch.dtype:
+    """ "auto" -> the checkpoint's dtype with float16 mapped to bfloat16 (fp16 is slow on CPU);
+    float16 asked for on a CPU is a ValueError."""
     if dtype == "auto":
         return torch.bfloat16 if arch.torch_dtype == torch.float16 else arch.torch_dtype
-    if dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES} or 'auto', got {dtype!r}")
+    usable = SUPPORTED_DTYPES if torch.device(device).type == "cuda" else ("float32", "bfloat16")
+    if dtype not in usable:
+        raise ValueError(f"dtype must be one of {usable} or 'auto' on {device}, got {dtype!r}")
     return _DTYPES[dtype]
 
 
@@ -355,27 +357,29 @@ def load_model(
     tp_size: int = 1,
     pp_rank: int = 0,
     pp_size: int = 1,
+    device: torch.device | str = "cpu",
 ) -> tuple[CausalLM, ModelArch]:
     """Build the model for model_dir and fill it from its safetensors (single file or sharded
     with model.safetensors.index.json). Raises ValueError for anything missing or mismatched.
     With tp_size > 1, rank tp_rank's share of it (engine/parallel.py; the arch returned is the
     whole model's). With pp_size > 1, stage pp_rank's layers (and the embedding, final norm
-    and lm_head, which every stage keeps)."""
+    and lm_head, which every stage keeps). device: where the parameters are made and filled."""
     start = time.perf_counter()
     model_dir = gguf.model_dir(model_dir)
     arch = parse_model_arch(model_dir)
     model_class = get_model_class(arch.architecture)
     _check_sliding_window(arch, max_model_len, model_class)
-    torch_dtype = resolve_dtype(dtype, arch)
+    torch_dtype = resolve_dtype(dtype, arch, device)
     files = _weight_files(model_dir)
     check_tensor_parallel(arch, tp_size)
     check_pipeline_parallel(arch, pp_size)
     layers = stage_layers(arch.num_layers, pp_rank, pp_size)
-    if pp_size > 1:
-        model = model_class(stage_arch(arch, pp_rank, pp_size), torch_dtype)
-        model.stage = PipelineStage(pp_rank, pp_size)
-    else:
-        model = model_class(local_arch(arch, tp_size) if tp_size > 1 else arch, torch_dtype)
+    with torch.device(device):  # parameters and buffers (RoPE tables) made where they live
+        if pp_size > 1:
+            model = model_class(stage_arch(arch, pp_rank, pp_size), torch_dtype)
+            model.stage = PipelineStage(pp_rank, pp_size)
+        else:
+            model = model_class(local_arch(arch, tp_size) if tp_size > 1 else arch, torch_dtype)
     expected = model.checkpoint_shapes()
     if tp_size > 1 or pp_size > 1:
         with torch.device("meta"):

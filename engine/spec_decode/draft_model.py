@@ -67,7 +67,9 @@ class DraftModelProposer:
         max_model_len: int,
         num_blocks: int,
         block_size: int,
+        device: torch.device | None = None,
     ) -> None:
+        device = device or torch.device("cpu")
         arch = parse_model_arch(model_dir)  # checked before loading any weight
         if arch.vocab_size != vocab_size:
             raise ValueError(
@@ -79,10 +81,13 @@ class DraftModelProposer:
                 f"draft model {model_dir!r} supports {arch.max_position_embeddings} positions, "
                 f"fewer than max_model_len {max_model_len}"
             )
-        model, arch = load_model(model_dir, dtype, max_model_len)
+        model, arch = load_model(model_dir, dtype, max_model_len, device=device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_caching=False)
         dtype = next(model.parameters()).dtype
-        self.model = PagedModel(model, arch, dtype, num_blocks, block_size, fused_ops=cpu_ops())
+        ops = cpu_ops() if device.type == "cpu" else None
+        self.model = PagedModel(
+            model, arch, dtype, num_blocks, block_size, fused_ops=ops, device=device
+        )
         self.num_computed: dict[str, int] = {}
         """Request id -> leading tokens of the request whose KV this draft holds."""
 
@@ -137,7 +142,7 @@ class DraftModelProposer:
         """One forward; each request samples its next draft from the draft's q."""
         logits = self.model.compute_logits(chunks)
         rows = [self._row(d) for d in drafting]
-        meta = SamplingMetadata.build(rows, logits.shape[-1])
+        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
         probs = compute_probs(logits, meta)
         tokens = argmax_rows(probs)  # greedy rows are one-hot
         if not meta.all_greedy:

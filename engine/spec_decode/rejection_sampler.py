@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -83,13 +84,17 @@ def expand_rows(item: DraftsToVerify) -> list[SampleRow]:
 
 class RejectionSampler:
     """Verifies every speculating request of a step at once (one SamplingMetadata, one
-    compute_probs over all their rows); no state."""
+    compute_probs over all their rows); no state but the runner's choice of kernels."""
+
+    def __init__(self, cpu_ops: ModuleType | None = None) -> None:
+        self.cpu_ops = cpu_ops
+        """The compiled CPU kernels the runner chose (SamplingMetadata.cpu_ops)."""
 
     def __call__(self, logits: Tensor, items: Sequence[DraftsToVerify]) -> list[SampledTokens]:
         """logits: [sum(k_r + 1), V] raw target logits, each request's k_r + 1 rows in item
         order. Returns per item the accepted drafts followed by one correction/bonus token."""
         rows = [r for item in items for r in expand_rows(item)]
-        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device)
+        meta = SamplingMetadata.build(rows, logits.shape[-1], logits.device, self.cpu_ops)
         logits = logits.float()
         probs = compute_probs(logits, meta)
         seeds, positions, uniforms = self._row_noise(meta)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from pdserve.engine.config import SpeculativeConfig
@@ -52,9 +53,10 @@ def build_proposer(
     max_model_len: int,
     num_blocks: int,
     block_size: int,
+    device: torch.device | None = None,
 ) -> Proposer:
     """The proposer config.method names; a draft model gets config.draft_num_blocks KV blocks
-    (default: as many as the target's num_blocks)."""
+    (default: as many as the target's num_blocks), on the target's device."""
     if config.method == "ngram":
         return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
     from pdserve.engine.spec_decode.draft_model import DraftModelProposer  # imports torch models
@@ -67,6 +69,7 @@ def build_proposer(
         max_model_len,
         config.draft_num_blocks or num_blocks,
         block_size,
+        device,
     )
 
 

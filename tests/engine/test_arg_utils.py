@@ -30,9 +30,15 @@ ENGINE_FLAGS = [
     "--max-model-len",
     "--seed",
     "--attention-backend",
+    "--device",
+    "--enforce-eager",
+    "--no-enforce-eager",
     "--block-size",
     "--num-blocks",
     "--kv-cache-memory",
+    "--gpu-memory-utilization",
+    "--num-gpu-blocks-override",
+    "--kv-cache-dtype",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--max-num-seqs",
@@ -107,8 +113,8 @@ def test_help_is_the_config_fields_docstring() -> None:
     assert by_dest["dtype"] == config_field_docs(ModelConfig)["dtype"]
     # a docstring over several lines, whitespace collapsed
     assert by_dest["kv_cache_memory"] == (
-        "KV cache size in GiB when num_blocks is not given (the CPU analogue of vLLM's "
-        "--gpu-memory-utilization)."
+        "CPU: KV cache size in GiB when num_blocks is not given (the CPU analogue of "
+        "gpu_memory_utilization)."
     )
     for dest in ("remote_prefill_min_tokens", "max_remote_prefill_queue_tokens"):
         assert by_dest[dest] == config_field_docs(SchedulerConfig)[dest]
