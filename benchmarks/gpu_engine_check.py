@@ -202,7 +202,7 @@ def _first_diff(got: list[int], expected: list[int]) -> int | None:
 
 def kv_io(ctx: Context) -> dict[str, Any]:
     """KVBlockIO on the device (staged; on a CPU forced): round trips and bytes/s."""
-    from pdserve.engine.parallel import KVBlockIO
+    from pdserve.engine.kv_block_io import KVBlockIO
     from pdserve.make_model import PRESET_SIZES
 
     p = PRESET_SIZES[ctx.plan.big_preset]

@@ -32,9 +32,9 @@ from pdserve.common.protocol import (
 )
 from pdserve.common.tls import TLSFiles, aio_channel
 from pdserve.engine.engine_loop import EngineLoop
+from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.lora.request import LoRARequest
 from pdserve.engine.outputs import RemotePrefill, SampledTokens
-from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.transport import KVReceiver, KVTransferError
 from pdserve.kvtransfer.wire import KVLayoutMismatch, LayoutSignature, TransferHeader

@@ -332,6 +332,8 @@ def paged_attention(
     kernels: the compiled CPU kernels to use (None, or any of them None: pure torch)."""
     num_tokens = meta.slot_mapping.shape[0]
     write_kv(kv_cache, k[:num_tokens], v[:num_tokens], meta, kernels)
+    if is_fp8(kv_cache):  # attend to what the cache holds, fresh keys too (as vLLM reads them)
+        k, v = to_fp8(k, kv_cache.dtype).to(k.dtype), to_fp8(v, kv_cache.dtype).to(v.dtype)
     out = torch.empty_like(q)
     if q.shape[0] > num_tokens:
         out[num_tokens:].zero_()

@@ -35,6 +35,7 @@ from pdserve.engine.config import (
 )
 from pdserve.engine.device import kv_cache_torch_dtype, resolve_device
 from pdserve.engine.gpu_memory import dummy_step, gpu_num_blocks
+from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.lora.request import LoRARequest
@@ -51,7 +52,6 @@ from pdserve.engine.outputs import (
     StepOutput,
 )
 from pdserve.engine.parallel import (
-    KVBlockIO,
     TensorParallelGroup,
     check_pipeline_parallel,
     check_tensor_parallel,

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pdserve.engine.kv_block_io import KVBlockIO, KVPiece
 from pdserve.engine.outputs import SchedulerOutput
-from pdserve.engine.parallel import KVBlockIO, KVPiece
 from pdserve.engine.utils import cdiv
 from pdserve.kvtransfer.transport import KVSender, TransferStats
 from pdserve.kvtransfer.wire import LayoutSignature, TransferHeader

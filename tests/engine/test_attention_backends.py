@@ -48,3 +48,43 @@ def test_a_backend_that_cannot_run_here_is_a_value_error(monkeypatch) -> None:
         attention_backend("triton")
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         attention_backend("flash")
+
+
+TRITON_GRAPHS_AND_FP8 = """
+import json, sys
+from pdserve.engine import LLM, SamplingParams
+model, prompts, n = sys.argv[1], sys.argv[2:], {n}
+params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+out = {{}}
+for name, kwargs in (("graphs", {{}}), ("fp8", {{"kv_cache_dtype": "fp8"}})):
+    llm = LLM(model=model, dtype="float32", num_blocks=64, max_num_seqs=4,
+              attention_backend="triton", **kwargs)
+    if name == "graphs":
+        llm.engine.runner.capture_decode_graphs(4, llm.engine.max_model_len)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    out[name] = [o.outputs[0].token_ids for o in got]
+print(json.dumps(out))
+"""
+
+
+def test_triton_decode_graph_buffers_and_fp8_cache_under_the_interpreter(tiny_llama) -> None:
+    """The Triton backend through the decode graphs' static buffers (every size of a 4-row
+    ladder, run eagerly on this CPU) gives the eager torch backend's tokens; with a float8 cache
+    it gives the torch backend's float8 tokens (both round K/V to e4m3 the same way)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    code = TRITON_GRAPHS_AND_FP8.format(n=MAX_TOKENS)
+    argv = [sys.executable, "-c", code, tiny_llama, *PROMPTS, "x y z", "1 2"]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    prompts = [*PROMPTS, "x y z", "1 2"]
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)]
+    llm = LLM(model=tiny_llama, dtype="float32", num_blocks=64, attention_backend="torch")
+    assert got["graphs"] == [
+        o.outputs[0].token_ids for o in llm.generate(prompts, params[0], use_tqdm=False)
+    ]
+    fp8 = LLM(model=tiny_llama, dtype="float32", num_blocks=64, attention_backend="torch",
+              kv_cache_dtype="fp8")  # fmt: skip
+    assert got["fp8"] == [
+        o.outputs[0].token_ids for o in fp8.generate(prompts, params[0], use_tqdm=False)
+    ]

@@ -12,9 +12,9 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, ModelConfig
+from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import SampledTokens
-from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.sampler import SamplingMetadata, process_logits
 from pdserve.engine.structured_output import (

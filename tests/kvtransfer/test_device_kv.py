@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.outputs import ScheduledChunk, SchedulerOutput
-from pdserve.engine.parallel import KVBlockIO
 from pdserve.kvtransfer.connector import KVPushConnector, PushTarget, kv_layout
 from pdserve.kvtransfer.inproc import InprocReceiver, InprocSender
 from pdserve.kvtransfer.transport import KVReceiver, KVSender, make_receiver, make_sender

@@ -11,9 +11,9 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import CacheConfig, ModelConfig, SpeculativeConfig
+from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import SampledTokens
-from pdserve.engine.parallel import KVBlockIO
 from pdserve.engine.request import RequestStatus
 
 ALWAYS = {"max_batch_for_speculation": 64, "min_expected_accepted": 0.0}
