@@ -89,9 +89,10 @@ def _attend_tiles(
     l_i,  # [M] fp32: running sum of exp2(score - m_i)
     q,  # [M, HEAD_DIM_PAD]: query rows, in the dtype the dots take (fp32 if UPCAST)
     q_pos,  # [M] int: position of each query row; it sees keys at positions <= it
+    q_lo,  # [M] int: each row sees keys at positions > it (its window's edge; -1: no window)
     kv_head_ptr,  # [num_blocks, 2, BLOCK_SIZE, Hkv, D] cache, advanced to this KV head
     block_table_ptr,  # [max_blocks] this request's block table row (int32/int64)
-    kv_start,  # first key position of the range
+    kv_start,  # first key position of the range (any position: a tile may start mid-block)
     kv_end,  # keys at positions >= kv_end are not visited
     qk_scale,  # softmax scale * log2(e) * k_scale
     stride_cb,  # cache stride between blocks
@@ -135,6 +136,7 @@ def _attend_tiles(
         s = s * qk_scale
         if MASKED:
             visible = in_range[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            visible = visible & (k_pos[None, :] > q_lo[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row that has seen no key yet keeps max -inf; shift it by 0 so exp2 gives 0, not nan.
@@ -159,10 +161,12 @@ def attend_kv_range(
     q,  # [M, HEAD_DIM_PAD]: query rows, in the dtype the dots take
     q_pos,  # [M] int: position of each query row; it sees keys at positions <= it
     first_q_pos,  # the smallest position of a valid row: keys <= it are seen by every row
+    last_q_pos,  # the largest position of a valid row (its window starts last)
     kv_head_ptr,  # [num_blocks, 2, BLOCK_SIZE, Hkv, D] cache, advanced to this KV head
     block_table_ptr,  # [max_blocks] this request's block table row (int32/int64)
-    kv_start,  # first key position of the range
+    kv_start,  # first key position of the range (>= the first row's window start)
     kv_end,  # end of the range (exclusive), <= the request's seq_len
+    window,  # sliding window: the row at p sees keys in (p - window, p]; 0: no window
     qk_scale,  # softmax scale * log2(e) * k_scale
     stride_cb,
     stride_ckv,
@@ -174,19 +178,32 @@ def attend_kv_range(
     HEAD_DIM_PAD: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Fold keys kv_start .. kv_end-1 into (acc, m_i, l_i) and return them: first the whole
-    tiles every row sees in full, without masks; then the rest (the causal diagonal, the
-    range's ragged end) masked. Keys past the last row's position are the caller's to cut."""
+    """Fold keys kv_start .. kv_end-1 into (acc, m_i, l_i) and return them, in three stretches:
+    [kv_start, shared_start) masked, where the rows' windows begin (empty without a window,
+    and for a decode, whose caller starts at its one row's window); [shared_start, full_end)
+    the whole tiles every row sees in full, without masks; [full_end, kv_end) masked (the
+    causal diagonal, the range's ragged end). Keys past the last row's position are the
+    caller's to cut."""
+    # Every valid row sees keys in [last_q_pos - window + 1, first_q_pos].
+    q_lo = tl.where(window > 0, q_pos - window, -1)  # [M]: each row sees keys > q_lo
+    shared_start = tl.where(window > 0, tl.maximum(kv_start, last_q_pos - window + 1), kv_start)
+    shared_start = tl.minimum(shared_start, kv_end)
     full_end = tl.minimum(first_q_pos + 1, kv_end)
-    full_end = kv_start + tl.maximum(full_end - kv_start, 0) // BLOCK_N * BLOCK_N
+    full_end = shared_start + tl.maximum(full_end - shared_start, 0) // BLOCK_N * BLOCK_N
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, kv_head_ptr, block_table_ptr, kv_start, full_end, qk_scale,
-        stride_cb, stride_ckv, stride_cs, stride_cd,
+        acc, m_i, l_i, q, q_pos, q_lo, kv_head_ptr, block_table_ptr, kv_start, shared_start,
+        qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
+        BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
+        UPCAST=UPCAST, MASKED=True,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, q_pos, q_lo, kv_head_ptr, block_table_ptr, shared_start, full_end,
+        qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         UPCAST=UPCAST, MASKED=False,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, q_pos, kv_head_ptr, block_table_ptr, full_end, kv_end, qk_scale,
+        acc, m_i, l_i, q, q_pos, q_lo, kv_head_ptr, block_table_ptr, full_end, kv_end, qk_scale,
         stride_cb, stride_ckv, stride_cs, stride_cd,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         UPCAST=UPCAST, MASKED=True,

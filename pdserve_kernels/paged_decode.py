@@ -1,7 +1,8 @@
 """Triton paged-attention decode: one query token per request over its paged KV cache.
 
 Split-K (flash-decoding): each request's context is cut into ``num_splits`` partitions of
-whole KV blocks; one program per (request, KV head, partition) attends the partition with all
+whole KV blocks (of a sliding-window layer: of the blocks its window touches, the first
+partition starting at the window's first key, mid-block or not); one program per (request, KV head, partition) attends the partition with all
 the query heads of that KV head at once (GQA: each K/V tile is loaded once per KV head) and
 writes an unnormalised partial result; a second kernel merges the partitions (log-sum-exp).
 With one partition the first kernel writes the output itself and the merge is skipped.
@@ -45,6 +46,7 @@ def _paged_decode_kernel(
     block_tables_ptr,  # [B, max_blocks] int32/int64, padded with the null block 0
     seq_lens_ptr,  # [B] int32/int64: context length including the query token
     num_splits,  # partitions per request (the grid's third dim)
+    window,  # sliding window: keys from seq_len - window on; 0: the whole context
     num_q_heads,
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,  # dequantization scale of V (1.0 unless the cache is fp8)
@@ -76,11 +78,16 @@ def _paged_decode_kernel(
     kvh = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    # Partition `split` holds blocks [split * per_split, (split + 1) * per_split) of the
-    # request's own blocks: short requests leave their last partitions empty.
-    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE), num_splits)
-    kv_start = tl.minimum(split * per_split * BLOCK_SIZE, seq_len)
-    kv_end = tl.minimum(kv_start + per_split * BLOCK_SIZE, seq_len)
+    # The query sees keys [window_start, seq_len). Partition `split` holds blocks
+    # [first_block + split * per_split, first_block + (split + 1) * per_split) of the
+    # request's blocks from the window's first on (short requests leave their last partitions
+    # empty); the first partition starts at window_start itself: no key before it is read.
+    window_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_block = window_start // BLOCK_SIZE
+    per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_SIZE) - first_block, num_splits)
+    block_start = (first_block + split * per_split) * BLOCK_SIZE
+    kv_start = tl.maximum(tl.minimum(block_start, seq_len), window_start)
+    kv_end = tl.minimum(block_start + per_split * BLOCK_SIZE, seq_len)
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -93,16 +100,17 @@ def _paged_decode_kernel(
         other=0.0,
     )
     q = query_in_dot_dtype(q, kv_cache_ptr, UPCAST=UPCAST, FP8_CACHE=FP8_CACHE)
-    # Every row is the request's newest token, at position seq_len - 1: it sees every key.
+    # Every row is the request's newest token, at position seq_len - 1: it sees every key of
+    # [kv_start, kv_end).
     q_pos = tl.zeros([GROUP_PAD], dtype=tl.int32) + (seq_len - 1)
 
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q, q_pos, seq_len - 1,
+        acc, m_i, l_i, q, q_pos, seq_len - 1, seq_len - 1,
         kv_cache_ptr + kvh * stride_ch, block_tables_ptr + b * stride_btb, kv_start, kv_end,
-        qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
+        window, qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         UPCAST=UPCAST,
     )  # fmt: skip
@@ -167,11 +175,19 @@ def _merge_splits_kernel(
 
 
 def auto_num_splits(
-    batch: int, num_kv_heads: int, max_blocks: int, block_size: int, device: torch.device
+    batch: int,
+    num_kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    device: torch.device,
+    window: int | None = None,
 ) -> int:
     """Partitions per request: 1 when (request, KV head) programs alone fill the device's SMs
     (PROGRAMS_PER_SM each); else enough to fill them, with at least MIN_KEYS_PER_SPLIT keys
-    per partition of the longest possible context (max_blocks: the block table's width)."""
+    per partition of the longest possible context (max_blocks: the block table's width; with
+    a sliding window, the most blocks a window touches). From shapes only: no device sync."""
+    if window:
+        max_blocks = min(max_blocks, triton.cdiv(window - 1, block_size) + 1)
     programs = batch * num_kv_heads
     target = PROGRAMS_PER_SM * multiprocessor_count(device)
     if programs >= target:
@@ -192,6 +208,7 @@ def paged_decode_attention(
     v_scale: float = 1.0,  # fp8 cache: V = stored * v_scale
     num_splits: int | None = None,  # partitions per request; None: auto_num_splits
     block_n: int | None = None,  # keys per inner-loop tile (power of two >= 16; None: 64)
+    window: int | None = None,  # sliding window: keys from seq_len - window on (None/0: all)
 ) -> torch.Tensor:  # [B, Hq, D]
     """Same contract as ``pdserve_kernels.reference.paged_decode_attention_ref``."""
     block_size, num_kv_heads, head_dim = check_cache(kv_cache)
@@ -203,9 +220,11 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if batch == 0:
         return out
+    window = window or 0
+    assert window >= 0, f"window must be >= 0, got {window}"
     if num_splits is None:
         num_splits = auto_num_splits(
-            batch, num_kv_heads, block_tables.shape[1], block_size, q.device
+            batch, num_kv_heads, block_tables.shape[1], block_size, q.device, window
         )
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     group = num_q_heads // num_kv_heads
@@ -224,6 +243,7 @@ def paged_decode_attention(
         block_tables_ptr=block_tables,
         seq_lens_ptr=seq_lens,
         num_splits=num_splits,
+        window=window,
         num_q_heads=num_q_heads,
         qk_scale=float(scale) * LOG2E * float(k_scale),
         v_scale=float(v_scale),

@@ -1,5 +1,7 @@
 """Triton varlen prefill attention over the paged KV cache: several query tokens per
-request (prefill chunks after a cached prefix, speculative verification), causal.
+request (prefill chunks after a cached prefix, speculative verification), causal; with a
+sliding window the query at position p sees keys in (p - window, p] only, and a query tile
+reads no K/V before its first row's window.
 
 GQA head sharing: a program's query tile holds consecutive query positions of one request
 times all the query heads of one KV head (row r = position r // QUERY_GROUP, head
@@ -34,6 +36,7 @@ def _paged_prefill_kernel(
     block_tables_ptr,  # [B, max_blocks] int32/int64, padded with the null block 0
     query_start_loc_ptr,  # [B + 1] int32/int64: request b's queries are rows qsl[b]:qsl[b+1]
     seq_lens_ptr,  # [B] int32/int64: context length including this step's tokens
+    window,  # sliding window: the query at p sees keys in (p - window, p]; 0: no window
     qk_scale,  # softmax scale * log2(e) * k_scale
     v_scale,  # dequantization scale of V (1.0 unless the cache is fp8)
     stride_qt,
@@ -86,14 +89,16 @@ def _paged_prefill_kernel(
     first_q_pos = context_before + m_blk * POSITIONS
     # Causal: the tile's last position sees keys up to itself; tiles past it are skipped.
     kv_end = tl.minimum(first_q_pos + POSITIONS, seq_len)
+    # Window: keys before the first row's window are seen by no row; they are skipped.
+    kv_start = tl.where(window > 0, tl.maximum(first_q_pos - window + 1, 0), 0)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = attend_kv_range(
-        acc, m_i, l_i, q, q_pos, first_q_pos,
-        kv_cache_ptr + kvh * stride_ch, block_tables_ptr + b * stride_btb, 0, kv_end,
-        qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
+        acc, m_i, l_i, q, q_pos, first_q_pos, kv_end - 1,
+        kv_cache_ptr + kvh * stride_ch, block_tables_ptr + b * stride_btb, kv_start, kv_end,
+        window, qk_scale, stride_cb, stride_ckv, stride_cs, stride_cd,
         BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, HEAD_DIM_PAD=HEAD_DIM_PAD,
         UPCAST=UPCAST,
     )  # fmt: skip
@@ -117,6 +122,7 @@ def paged_prefill_attention(
     k_scale: float = 1.0,  # fp8 cache: K = stored * k_scale (must be 1.0 otherwise)
     v_scale: float = 1.0,  # fp8 cache: V = stored * v_scale
     block_n: int | None = None,  # keys per inner-loop tile (power of two >= 16; None: 64)
+    window: int | None = None,  # sliding window: query at p sees keys in (p - window, p]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Same contract as ``pdserve_kernels.reference.paged_prefill_attention_ref``."""
     block_size, num_kv_heads, head_dim = check_cache(kv_cache)
@@ -133,6 +139,8 @@ def paged_prefill_attention(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
     if max_query_len == 0:
         return out
+    window = window or 0
+    assert window >= 0, f"window must be >= 0, got {window}"
     group = num_q_heads // num_kv_heads
     # rows: a power of two >= 16 (tl.dot), at least one position's group, no more than needed
     block_m = max(16, triton.next_power_of_2(group), min(block_m, max_query_len * group))
@@ -146,6 +154,7 @@ def paged_prefill_attention(
         block_tables_ptr=block_tables,
         query_start_loc_ptr=query_start_loc,
         seq_lens_ptr=seq_lens,
+        window=window,
         qk_scale=float(scale) * LOG2E * float(k_scale),
         v_scale=float(v_scale),
         stride_qt=q.stride(0),

@@ -60,9 +60,17 @@ def _gather(
     return k.float() * k_scale, v.float() * v_scale
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float):
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+):
     """q [Tq, Hq, D] at positions q_pos [Tq] over k, v [L, Hkv, D] at positions 0..L-1,
-    causal (key position <= query position), GQA by repeating KV heads. fp32 math."""
+    causal (key position <= query position; with a window, also > query position - window),
+    GQA by repeating KV heads. fp32 math."""
     hq, hkv = q.shape[1], k.shape[1]
     group = hq // hkv
     qf = q.float().transpose(0, 1)  # [Hq, Tq, D]
@@ -70,7 +78,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tens
     vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = (qf @ kf.transpose(1, 2)) * scale  # [Hq, Tq, L]
     k_pos = torch.arange(k.shape[0], device=q.device)
-    visible = k_pos[None, :] <= q_pos[:, None].to(q.device)  # [Tq, L]
+    q_pos = q_pos[:, None].to(q.device)
+    visible = k_pos[None, :] <= q_pos  # [Tq, L]
+    if window:
+        visible &= k_pos[None, :] > q_pos - window
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return (probs @ vf).transpose(0, 1).to(q.dtype)  # [Tq, Hq, D]
@@ -85,8 +96,10 @@ def paged_decode_attention_ref(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:  # [B, Hq, D]
-    """Each request's query (at position seq_len - 1) over its seq_len cached tokens."""
+    """Each request's query (at position seq_len - 1) over its seq_len cached tokens (with a
+    sliding window, over the last window of them; None/0: all)."""
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
@@ -94,7 +107,7 @@ def paged_decode_attention_ref(
             continue
         k, v = _gather(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
         q_pos = torch.tensor([seq_len - 1])
-        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale)[0]
+        out[b] = _attend(q[b : b + 1], k, v, q_pos, scale, window)[0]
     return out
 
 
@@ -108,9 +121,11 @@ def paged_prefill_attention_ref(
     *,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention over the paged context: query i of a request with query_len ql and
-    seq_len L sits at position L - ql + i and sees the keys at positions <= it. Covers
+    seq_len L sits at position L - ql + i and sees the keys at positions <= it (with a
+    sliding window, those in (position - window, position]; None/0: no window). Covers
     prefill chunks after a cached prefix and speculative verification."""
     out = torch.zeros_like(q)
     for b in range(block_tables.shape[0]):
@@ -120,5 +135,5 @@ def paged_prefill_attention_ref(
             continue
         k, v = _gather(kv_cache, block_tables[b], seq_len, k_scale, v_scale)
         q_pos = torch.arange(seq_len - ql, seq_len)
-        out[start:end] = _attend(q[start:end], k, v, q_pos, scale)
+        out[start:end] = _attend(q[start:end], k, v, q_pos, scale, window)
     return out

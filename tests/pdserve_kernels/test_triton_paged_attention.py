@@ -1,5 +1,6 @@
-"""Split-K paged decode, GQA-shared paged prefill and the fp8 KV cache vs the torch
-references, under Triton's CPU interpreter, in fp32 (and fp16/bf16 inputs computed in fp32).
+"""Split-K paged decode, GQA-shared paged prefill, sliding windows and the fp8 KV cache vs the
+torch references, under Triton's CPU interpreter, in fp32 (and fp16/bf16 inputs computed in
+fp32).
 
 As in test_kernels.py, the kernels run in a subprocess (this file as a script, with
 ``TRITON_INTERPRET=1`` set before triton is imported); each test asserts on its case's result.
@@ -101,6 +102,49 @@ PREFILL = {
     ),
 }
 
+# Sliding windows (each case runs every window of "windows"): windows smaller than, equal to
+# and larger than the contexts, starting mid-block and at block boundaries (lens around
+# multiples of the block size), one key (window 1), a block (16), over split counts 1/2/3 and
+# auto. The K/V no query may see (before each request's window) are NaN in the kernel's cache:
+# a kernel that reads them (or ignores the window) fails.
+DECODE_WINDOW = {
+    "decode_window_s1_gqa4_bn16": dict(
+        splits=1, lens=[1, 16, 20, 32, 47, 48, 100, 0], windows=(1, 16, 20), hq=8, hkv=2, d=32,
+        bs=16, block_n=16,
+    ),
+    "decode_window_s2_mha_bn32": dict(
+        splits=2, lens=[1, 20, 21, 36, 40, 90, 130], windows=(20, 32, 90), hq=2, hkv=2, d=32,
+        bs=16, block_n=32,
+    ),
+    "decode_window_s3_gqa3_bs32_int32": dict(
+        splits=3, lens=[50, 100, 101, 150, 260, 0], windows=(64, 100, 1000), hq=6, hkv=2,
+        d=32, bs=32, block_n=16, table_dtype=torch.int32,
+    ),
+    # auto: 4 splits without the window; a window of 300 touches at most 20 blocks: 2 splits
+    "decode_window_auto_mqa8": dict(
+        splits=None, lens=[1, 513], windows=(300, 37), hq=8, hkv=1, d=32, bs=16, block_n=32,
+        auto_splits=2,
+    ),
+}  # fmt: skip
+
+# Windowed prefill: a prefix hit whose first query's window starts inside the cached prefix
+# (mid-block), chunks longer than the window, windows narrower than a query tile's positions
+# (no key tile every row sees), a window of 1 and one longer than every context; GQA.
+PREFILL_WINDOW = {
+    "prefill_window_gqa4_m32_bn16": dict(
+        lens=[100, 80, 40, 17, 300], qlens=[30, 80, 8, 17, 50], windows=(40, 16), hq=8, hkv=2,
+        d=32, bs=16, m=32, n=16,
+    ),
+    "prefill_window_mha_m16_bn16": dict(
+        lens=[64, 50, 33], qlens=[64, 20, 1], windows=(5, 1), hq=1, hkv=1, d=32, bs=16, m=16,
+        n=16,
+    ),
+    "prefill_window_gqa3_bs32_m64_bn64_int32": dict(
+        lens=[130, 97, 70], qlens=[33, 97, 3], windows=(33, 1000), hq=6, hkv=2, d=32, bs=32,
+        m=64, n=64, table_dtype=torch.int32,
+    ),
+}  # fmt: skip
+
 # fp8 round trips: the Triton store quantizes K/V into an fp8 cache, the kernels read it back.
 FP8_CASES = {
     "fp8_store_bitexact": dict(kind="store"),
@@ -108,6 +152,7 @@ FP8_CASES = {
     "fp8_prefill_roundtrip": dict(kind="prefill"),
 }
 
+TOL = dict(atol=2e-5, rtol=1e-5)  # fp32 math vs fp64
 K_SCALE, V_SCALE = 0.02, 0.01  # K of every 5th token (x40) saturates at +-448
 
 
@@ -126,6 +171,22 @@ def _paged(spec: dict, lens: list[int]) -> dict:
     return build_paged(sum(lens), lens, spec["bs"], spec["hkv"], spec["d"], dtype, table_dtype)
 
 
+def _poison_before(cache: torch.Tensor, tables: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """A copy of cache with request b's K/V at positions < starts[b] set to NaN: keys no query
+    sees, which a windowed kernel must not read (masking is not enough: 0 * NaN V = NaN)."""
+    cache, bs = cache.clone(), cache.shape[2]
+    for b, start in enumerate(starts):
+        for pos in range(start):
+            cache[int(tables[b, pos // bs]), :, pos % bs] = float("nan")
+    return cache
+
+
+def _merge(results: list[dict]) -> dict:
+    return dict(
+        max_err=max(r["max_err"] for r in results), ok=all(r["ok"] for r in results)
+    )  # fmt: skip
+
+
 def _check_decode(spec: dict) -> dict:
     from pdserve.kernels import paged_decode_attention
     from pdserve.kernels.paged_decode import auto_num_splits
@@ -135,13 +196,25 @@ def _check_decode(spec: dict) -> dict:
     c = _paged(spec, lens)
     q = torch.randn(len(lens), spec["hq"], spec["d"], generator=c["gen"]).to(dtype)
     seq = torch.tensor(lens, dtype=c["tables"].dtype)
-    args = (q, c["cache"], c["tables"], seq, spec["d"] ** -0.5)
-    ref = paged_decode_attention_ref(*args)
-    out = paged_decode_attention(*args, num_splits=spec["splits"], block_n=spec["block_n"])
-    res = _compare(out, ref, dtype)
+    results = []
+    for window in spec.get("windows", (None,)):
+        args = (q, c["cache"], c["tables"], seq, spec["d"] ** -0.5)
+        ref = paged_decode_attention_ref(*args, window=window)
+        if window is not None:
+            poisoned = _poison_before(c["cache"], c["tables"], [max(0, n - window) for n in lens])
+            args = (q, poisoned, c["tables"], seq, spec["d"] ** -0.5)
+        out = paged_decode_attention(
+            *args, num_splits=spec["splits"], block_n=spec["block_n"], window=window
+        )
+        results.append(_compare(out, ref, dtype))
+    res = _merge(results)
     if spec["splits"] is None:  # the split count chosen: it must have split
-        chosen = auto_num_splits(len(lens), spec["hkv"], c["tables"].shape[1], spec["bs"], q.device)
-        res.update(num_splits=chosen, ok=res["ok"] and chosen > 1)
+        window = spec.get("windows", (None,))[0]
+        chosen = auto_num_splits(
+            len(lens), spec["hkv"], c["tables"].shape[1], spec["bs"], q.device, window
+        )
+        want = spec.get("auto_splits")
+        res.update(num_splits=chosen, ok=res["ok"] and chosen > 1 and want in (None, chosen))
     return res
 
 
@@ -154,10 +227,17 @@ def _check_prefill(spec: dict) -> dict:
     q = torch.randn(sum(qlens), spec["hq"], spec["d"], generator=c["gen"]).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=c["tables"].dtype)
     seq = torch.tensor(lens, dtype=c["tables"].dtype)
-    args = (q, c["cache"], c["tables"], qsl, seq, spec["d"] ** -0.5)
-    ref = paged_prefill_attention_ref(*args)
-    out = paged_prefill_attention(*args, block_m=spec["m"], block_n=spec["n"])
-    return _compare(out, ref, dtype)
+    results = []
+    for window in spec.get("windows", (None,)):
+        args = (q, c["cache"], c["tables"], qsl, seq, spec["d"] ** -0.5)
+        ref = paged_prefill_attention_ref(*args, window=window)
+        if window is not None:  # keys before the first query's window: seen by no query
+            starts = [max(0, n - ql - window + 1) for n, ql in zip(lens, qlens, strict=True)]
+            poisoned = _poison_before(c["cache"], c["tables"], starts)
+            args = (q, poisoned, c["tables"], qsl, seq, spec["d"] ** -0.5)
+        out = paged_prefill_attention(*args, block_m=spec["m"], block_n=spec["n"], window=window)
+        results.append(_compare(out, ref, dtype))
+    return _merge(results)
 
 
 def fp8_source(seed: int, lens: list[int], hkv: int, d: int, bs: int) -> dict:
@@ -215,8 +295,8 @@ def _check_fp8(spec: dict) -> dict:
 
 
 def run_interpreter_checks() -> dict:
-    cases = [(n, _check_decode, s) for n, s in DECODE.items()]
-    cases += [(n, _check_prefill, s) for n, s in PREFILL.items()]
+    cases = [(n, _check_decode, s) for n, s in {**DECODE, **DECODE_WINDOW}.items()]
+    cases += [(n, _check_prefill, s) for n, s in {**PREFILL, **PREFILL_WINDOW}.items()]
     cases += [(n, _check_fp8, s) for n, s in FP8_CASES.items()]
     results = {}
     for name, check, spec in cases:
@@ -253,7 +333,7 @@ def interpreter_results() -> dict:
     return json.loads(lines[-1][len("RESULTS ") :])
 
 
-@pytest.mark.parametrize("name", [*DECODE, *PREFILL, *FP8_CASES])
+@pytest.mark.parametrize("name", [*DECODE, *DECODE_WINDOW, *PREFILL, *PREFILL_WINDOW, *FP8_CASES])
 def test_triton_kernel_matches_reference(interpreter_results: dict, name: str) -> None:
     res = interpreter_results[name]
     assert "error" not in res, res["error"]
@@ -279,6 +359,42 @@ def test_auto_num_splits_fills_the_sms_and_stops_at_the_context(monkeypatch) -> 
     assert paged_decode.auto_num_splits(8, 8, 512, 16, cpu) == 5
     assert paged_decode.auto_num_splits(64, 8, 512, 16, cpu) == 1
     assert paged_decode.auto_num_splits(1, 1, 4096, 16, cpu) == 64  # capped at MAX_SPLITS
+    # a window of 512 touches at most 33 blocks of 16: the context the splits divide
+    assert paged_decode.auto_num_splits(1, 1, 4096, 16, cpu, window=512) == 4
+    assert paged_decode.auto_num_splits(1, 8, 512, 16, cpu, window=512) == 4  # (33 without)
+    assert paged_decode.auto_num_splits(1, 1, 4096, 16, cpu, window=100) == 1  # 8 blocks
+
+
+def test_window_references_match_dense_attention() -> None:
+    """The windowed references against dense attention over each query's window (keys at
+    positions (p - window, p]), and window None/0/longer than the context as no window."""
+    lens, hq, hkv, d, bs = [1, 20, 45], 4, 2, 16, 16
+    c = build_paged(5, lens, bs, hkv, d, garbage=0.0)
+    seq, scale = torch.tensor(lens), d**-0.5
+    qlens = [1, 9, 45]
+    q = torch.randn(sum(qlens), hq, d, generator=c["gen"])
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+    for window in (1, 7, 16):
+        pre = paged_prefill_attention_ref(
+            q, c["cache"], c["tables"], qsl, seq, scale, window=window
+        )
+        for b, (n, ql) in enumerate(zip(lens, qlens, strict=True)):
+            for i in range(ql):
+                pos, lo = n - ql + i, max(0, n - ql + i - window + 1)
+                k, v = c["k"][b][lo : pos + 1], c["v"][b][lo : pos + 1]
+                want = naive_causal(q[qsl[b] + i][None], k, v, scale)[0]
+                torch.testing.assert_close(pre[qsl[b] + i].double(), want, **TOL)
+        last = qsl[1:] - 1  # each request's last query: its decode
+        dec = paged_decode_attention_ref(
+            q[last], c["cache"], c["tables"], seq, scale, window=window
+        )
+        torch.testing.assert_close(dec, pre[last], **TOL)
+    whole = paged_prefill_attention_ref(q, c["cache"], c["tables"], qsl, seq, scale)
+    for window in (0, 45, 1000):
+        got = paged_prefill_attention_ref(
+            q, c["cache"], c["tables"], qsl, seq, scale, window=window
+        )
+        torch.testing.assert_close(got, whole, **TOL)
 
 
 def test_fp8_quantize_rounds_to_nearest_and_saturates() -> None:
