@@ -209,16 +209,14 @@ class CpuAttention(AttentionBackend):
 class TritonAttention(AttentionBackend):
     """The Triton kernels of pdserve_kernels/ (engine/attention_triton.py): CUDA, or the CPU
     under TRITON_INTERPRET=1 (slow; fp32 only: the interpreter gets bf16 wrong). Sliding-window
-    layers take the torch path (the Triton kernels have no window yet)."""
+    layers too: the kernels take the window."""
 
     name = "triton"
 
     def __call__(self, q, k, v, kv_cache, meta, scale, window=None):
-        if window is not None:
-            return paged_attention(q, k, v, kv_cache, meta, scale, window)
         from pdserve.engine.attention_triton import triton_paged_attention
 
-        return triton_paged_attention(q, k, v, kv_cache, meta, scale)
+        return triton_paged_attention(q, k, v, kv_cache, meta, scale, window)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")

@@ -1,6 +1,7 @@
 """GPU path of ``engine.attention.paged_attention``: the same contract, on the Triton
 kernels of ``pdserve_kernels/`` (store the new K/V, decode kernel on the decode part, varlen
-prefill kernel on the multi-token requests)."""
+prefill kernel on the multi-token requests), sliding-window layers included: the kernels take
+the window."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def triton_paged_attention(
     kv_cache: torch.Tensor,  # [num_blocks, 2, Hkv, block_size, D] (engine layout)
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,  # sliding window: the query at p sees keys in (p - window, p]
 ) -> torch.Tensor:  # [T, Hq, D]
     """Causal attention of q over each request's cached context plus this step's k/v, which
     are written into kv_cache first. Same contract as ``engine.attention.paged_attention``."""
@@ -33,6 +35,7 @@ def triton_paged_attention(
             meta.decode_seq_lens,
             scale,
             out=out[:nd],
+            window=window,
         )
     if meta.prefills:
         first, end, query_start_loc, seq_lens, block_tables = _prefill_args(meta, q.device)
@@ -45,6 +48,7 @@ def triton_paged_attention(
             scale,
             max_query_len=max(s.query_len for s in meta.prefills),
             out=out[first:end],
+            window=window,
         )
     return out
 
