@@ -1,11 +1,12 @@
 """Triton paged-attention decode: one query token per request over its paged KV cache.
 
 Split-K (flash-decoding): each request's context is cut into ``num_splits`` partitions of
-whole KV blocks (of a sliding-window layer: of the blocks its window touches, the first
-partition starting at the window's first key, mid-block or not); one program per (request, KV head, partition) attends the partition with all
-the query heads of that KV head at once (GQA: each K/V tile is loaded once per KV head) and
-writes an unnormalised partial result; a second kernel merges the partitions (log-sum-exp).
-With one partition the first kernel writes the output itself and the merge is skipped.
+whole KV blocks (with a sliding window: of the blocks the window touches, the first partition
+starting at the window's first key, mid-block or not); one program per (request, KV head,
+partition) attends the partition with all the query heads of that KV head at once (GQA: each
+K/V tile is loaded once per KV head) and writes an unnormalised partial result; a second
+kernel merges the partitions (log-sum-exp). With one partition the first kernel writes the
+output itself and the merge is skipped.
 """
 
 from __future__ import annotations
