@@ -252,10 +252,10 @@ class SpeculativeConfig:
     2.1-2.5x at batch 8, 2.5-2.8x at batch 16: past 4, drafts must be accepted more than half
     the time just to break even."""
     min_expected_accepted: float = 0.5
-    """A request stops proposing while its acceptance-rate EMA x k is below this: at the
-    batch sizes that speculate, 1 + k tokens cost up to ~1.5x a plain step (measured above),
-    which 0.5 accepted drafts per step pay for. (A draft model's own forwards cost more: raise
-    it for a draft model that is not much smaller than the target.)"""
+    """The floor of the back-off rule: a request stops proposing while its acceptance-rate
+    EMA x k is below this, or below what the engine's measured step cost says a draft token
+    must return at this batch size, whichever is higher (engine/spec_decode/policy.py; the
+    draft model's own forwards count in that cost). 0: no back-off at all."""
     backoff_steps: int = 16
     """Steps a request that fell below min_expected_accepted waits before probing again."""
     acceptance_ema_alpha: float = 0.3

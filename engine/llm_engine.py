@@ -589,12 +589,13 @@ class LLMEngine:
             scored = requests[request_id].prompt_logprobs
             assert scored is not None
             scored.extend(entries)
-        self.stats.execute_time_s += time.perf_counter() - execute_start
+        execute_s = time.perf_counter() - execute_start
+        self.stats.execute_time_s += execute_s
         if self.kv_connector is not None:
             self.kv_connector.after_execute(output)
         updates = self.scheduler.update_from_output(output, sampled)
         if spec is not None:
-            spec.after_step(output, sampled, updates)
+            spec.after_step(output, sampled, updates, execute_s)
         self.stats.num_steps += 1
         self.stats.num_generation_tokens += sum(len(u.new_token_ids) for u in updates)
         self.stats.step_time_s += time.perf_counter() - start

@@ -13,6 +13,7 @@ same step; drafts the scheduler did not verify are dropped, never carried over.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -89,7 +90,12 @@ class Speculator:
         if not planned:
             return
         requests = {r.request_id: r for r, _ in planned}
-        for request_id, proposal in self.proposer.propose(planned).items():
+        start = time.perf_counter()
+        proposals = self.proposer.propose(planned)
+        num_drafts = sum(len(p.token_ids) for p in proposals.values())
+        if num_drafts:
+            self.policy.observe_proposer(num_drafts, time.perf_counter() - start)
+        for request_id, proposal in proposals.items():
             request = requests[request_id]
             request.spec_token_ids = list(proposal.token_ids)
             self._pending[request_id] = _Pending(request, request.num_tokens, proposal)
@@ -116,8 +122,16 @@ class Speculator:
         output: SchedulerOutput,
         sampled: Mapping[str, SampledTokens],
         updates: Sequence[RequestUpdate],
+        execute_s: float = 0.0,
     ) -> None:
-        """Fold verification results in; drop every draft not verified this step."""
+        """Fold verification results in; drop every draft not verified this step. execute_s:
+        the step's compute time (a decode-only step's teaches the policy what tokens cost)."""
+        if (
+            execute_s > 0
+            and output.chunks
+            and all(len(c.token_ids) == 1 + c.num_spec_tokens for c in output.chunks)
+        ):
+            self.policy.observe_step(sum(len(c.token_ids) for c in output.chunks), execute_s)
         verified = {c.request_id: c.num_spec_tokens for c in output.chunks if c.num_spec_tokens}
         for request_id, pending in self._pending.items():
             pending.request.spec_token_ids = []

@@ -2,7 +2,7 @@
 
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.request import Request, SamplingParams
-from pdserve.engine.spec_decode.policy import SpeculationPolicy
+from pdserve.engine.spec_decode.policy import COST_MARGIN, SpeculationPolicy, StepCost
 
 
 def decoding(rid, prompt_len=10, num_output=1, max_tokens=100):
@@ -64,3 +64,41 @@ def test_other_requests_keep_speculating_while_one_backs_off():
     p.observe("a", 4, 0)
     p.observe("b", 4, 4)
     assert p.plan([a, b]) == [(b, 4)]
+
+
+def test_step_cost_fits_the_line_through_steps_of_several_sizes():
+    cost = StepCost()
+    for tokens in (4, 4, 4, 4):
+        cost.observe(tokens, 0.020)
+    assert cost.fit is None  # one step size: no slope to see
+    for tokens, seconds in ((16, 0.032), (4, 0.020), (16, 0.032), (8, 0.024)):
+        cost.observe(tokens, seconds)
+    fixed, per_token = cost.fit
+    assert abs(fixed - 0.016) < 1e-9 and abs(per_token - 0.001) < 1e-9
+    assert abs(cost.seconds(10) - 0.026) < 1e-9
+
+
+def test_the_threshold_is_the_measured_marginal_cost_of_a_token():
+    """fixed 16 ms + 1 ms a token: at n = 4 a plain step is 20 ms, and a draft token costs 1 ms
+    where a plain step's token costs 5: speculation pays above 4 x 1 / 20 = 0.2 (x the margin);
+    at n = 1 the floor (min_expected_accepted / k) rules. The proposer's time counts too."""
+    p = policy(max_batch_for_speculation=8, min_expected_accepted=0.4)  # floor 0.1
+    requests = [decoding(str(i)) for i in range(4)]
+    p.plan(requests)
+    assert p.threshold_rate == 0.1  # nothing measured yet
+    for tokens in (4, 16, 4, 16, 8):
+        p.observe_step(tokens, 0.016 + 0.001 * tokens)
+    p.plan(requests)
+    assert abs(p.threshold_rate - COST_MARGIN * 4 * 0.001 / 0.020) < 1e-9
+    p.plan(requests[:1])
+    assert p.threshold_rate == 0.1  # 1.15 x 1 / 17 = 0.068 < the floor
+    p.observe_proposer(num_drafts=4, seconds=0.004)  # EMA (alpha 0.3) of 1 ms a draft
+    p.plan(requests)
+    assert abs(p.threshold_rate - COST_MARGIN * 4 * (0.001 + 0.0003) / 0.020) < 1e-9
+    p.observe("0", 4, 1)  # rate EMA 1 -> 0.775: still speculating
+    p.observe("1", 4, 0)
+    p.observe("1", 4, 0)
+    p.observe("1", 4, 0)  # EMA 0.343 > 0.299: still on
+    assert p.plan(requests) == [(r, 4) for r in requests]
+    p.observe("1", 4, 0)  # 0.24 < 0.299: backs off
+    assert [r for r, _ in p.plan(requests)] == [requests[0], requests[2], requests[3]]
