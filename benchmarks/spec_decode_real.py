@@ -70,11 +70,25 @@ def chat_ids(llm: LLM, text: str) -> list[int]:
     return tokenizer.encode(rendered, add_special_tokens=False)
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
+def timed(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams, speculate: bool = True
+) -> tuple[float, list]:
+    """One run on a fresh prefix cache; speculate=False runs the same engine without its
+    speculator (same weights and KV memory: two engine instances in one process differ by
+    up to ~8% in speed here, whichever was made first being slower, which would bias a
+    comparison between two)."""
     llm.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outputs]
+    engine = llm.engine
+    speculator = engine.speculator
+    if not speculate:
+        engine.speculator = None
+    try:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.speculator = speculator
+    return seconds, [o.outputs[0].token_ids for o in outputs]
 
 
 def main() -> None:
@@ -98,7 +112,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = args.model or smollm2()
     common = dict(model=model, dtype=args.dtype, num_blocks=2048, max_model_len=2048)
-    plain = LLM(**common)
     spec = LLM(
         **common,
         speculative_config={
@@ -111,14 +124,15 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     results = []
     for workload, texts in (("extractive", EXTRACTIVE), ("free", FREE)):
-        prompts_all = [chat_ids(plain, t) for t in texts]
+        prompts_all = [chat_ids(spec, t) for t in texts]
         for batch in args.batch_sizes:
             prompts = prompts_all[:batch]
-            timed(plain, prompts, params)  # warm-up (first-touch, compiled paths)
+            timed(spec, prompts, params, speculate=False)  # warm-up (first touch, compiles)
             timed(spec, prompts, params)
             plain_s, spec_s = [], []
+            drafts_before = spec.engine.spec_stats.num_draft_tokens
             for _ in range(args.rounds):
-                t_plain, out_plain = timed(plain, prompts, params)
+                t_plain, out_plain = timed(spec, prompts, params, speculate=False)
                 t_spec, out_spec = timed(spec, prompts, params)
                 plain_s.append(t_plain)
                 spec_s.append(t_spec)
@@ -142,6 +156,13 @@ def main() -> None:
                 "speedup_median": statistics.median(ratios),
                 "same_outputs": same,
                 "speedups": ratios,
+                "draft_tokens_per_output_token": (
+                    spec.engine.spec_stats.num_draft_tokens - drafts_before
+                )
+                / (args.rounds * spec_tokens),
+                "policy_step_cost_ms": [
+                    1e3 * x for x in (spec.engine.speculator.policy.cost.fit or ())
+                ],
             }
             results.append(row)
             logger.info(

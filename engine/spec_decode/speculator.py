@@ -131,7 +131,8 @@ class Speculator:
             and output.chunks
             and all(len(c.token_ids) == 1 + c.num_spec_tokens for c in output.chunks)
         ):
-            self.policy.observe_step(sum(len(c.token_ids) for c in output.chunks), execute_s)
+            verifying = sum(1 for c in output.chunks if c.num_spec_tokens)
+            self.policy.observe_step(len(output.chunks), verifying, execute_s)
         verified = {c.request_id: c.num_spec_tokens for c in output.chunks if c.num_spec_tokens}
         for request_id, pending in self._pending.items():
             pending.request.spec_token_ids = []

@@ -51,10 +51,23 @@ def test_low_acceptance_backs_off_then_probes():
     assert p.plan([a]) == [(a, 4)]  # step 6: the probe
     p.observe("a", 4, 2)  # rate 0.5 = threshold: keeps speculating
     assert p.ema["a"] == 0.5 and p.plan([a]) == [(a, 4)]
-    p.observe("a", 4, 1)  # rate 0.25 < threshold: backs off again
+    p.observe("a", 4, 1)  # rate 0.25 < threshold: backs off again (its last probe passed)
     assert p.resume_step["a"] == 7 + 3 + 1 and p.plan([a]) == []
+    assert [p.plan([a]) for _ in range(2)] == [[], []]
+    assert p.plan([a]) == [(a, 4)]  # step 11: the probe
+    p.observe("a", 4, 0)  # fails: a second back-off in a row waits twice as long
+    assert p.resume_step["a"] == 11 + 6 + 1
     p.forget("a")
-    assert p.plan([a]) == [(a, 4)] and "a" not in p.ema
+    assert "a" not in p.ema
+    # what recent verifications accepted (0.36 here) is below the threshold: a new request
+    # starts backed off, its first probe backoff_steps later
+    assert p.recent_rate < p.threshold_rate
+    fresh = decoding("fresh")
+    assert p.plan([fresh]) == [] and p.resume_step["fresh"] == p.step + 3
+    for _ in range(5):
+        p.observe("x", 4, 4)  # recent rate 0.23 -> 0.54 >= 0.5: new requests speculate at once
+    new = decoding("new")
+    assert p.plan([new]) == [(new, 4)]
 
 
 def test_other_requests_keep_speculating_while_one_backs_off():
@@ -66,39 +79,48 @@ def test_other_requests_keep_speculating_while_one_backs_off():
     assert p.plan([a, b]) == [(b, 4)]
 
 
-def test_step_cost_fits_the_line_through_steps_of_several_sizes():
+def test_step_cost_fits_requests_and_verifications():
     cost = StepCost()
-    for tokens in (4, 4, 4, 4):
-        cost.observe(tokens, 0.020)
-    assert cost.fit is None  # one step size: no slope to see
-    for tokens, seconds in ((16, 0.032), (4, 0.020), (16, 0.032), (8, 0.024)):
-        cost.observe(tokens, seconds)
-    fixed, per_token = cost.fit
-    assert abs(fixed - 0.016) < 1e-9 and abs(per_token - 0.001) < 1e-9
-    assert abs(cost.seconds(10) - 0.026) < 1e-9
+    for n in (4, 3, 2, 1) * 4:
+        cost.observe(n, 0, 0.016 + 0.001 * n)
+    assert cost.fit is None  # no verification seen: its cost unknown
+    # 16 ms + 1 ms a request + 3 ms a verifying one
+    for n, verifying in ((4, 4), (4, 0), (3, 2), (2, 0), (4, 1), (1, 0), (3, 3), (1, 1)):
+        cost.observe(n, verifying, 0.016 + 0.001 * n + 0.003 * verifying)
+    fixed, per_request, per_verification = cost.fit
+    assert abs(fixed - 0.016) < 1e-6 and abs(per_request - 0.001) < 1e-6
+    assert abs(per_verification - 0.003) < 1e-6
+    assert abs(cost.seconds(4) - 0.020) < 1e-6
 
 
-def test_the_threshold_is_the_measured_marginal_cost_of_a_token():
-    """fixed 16 ms + 1 ms a token: at n = 4 a plain step is 20 ms, and a draft token costs 1 ms
-    where a plain step's token costs 5: speculation pays above 4 x 1 / 20 = 0.2 (x the margin);
-    at n = 1 the floor (min_expected_accepted / k) rules. The proposer's time counts too."""
-    p = policy(max_batch_for_speculation=8, min_expected_accepted=0.4)  # floor 0.1
+def test_the_threshold_is_the_measured_marginal_cost_of_a_draft():
+    """16 ms + 1 ms a request + 6 ms a verification (k = 4 drafts): at n = 4 a plain step is
+    20 ms and a draft costs 1.5 ms where a plain step's token costs 5: speculation pays above
+    4 x 1.5 / 20 = 0.3 (x the margin); at n = 1 the floor (min_expected_accepted / k) rules.
+    The proposer's time counts too; where even all-accepted drafts cannot pay, nobody
+    proposes."""
+    p = policy(max_batch_for_speculation=8, min_expected_accepted=0.6)  # floor 0.15
     requests = [decoding(str(i)) for i in range(4)]
     p.plan(requests)
-    assert p.threshold_rate == 0.1  # nothing measured yet
-    for tokens in (4, 16, 4, 16, 8):
-        p.observe_step(tokens, 0.016 + 0.001 * tokens)
+    assert p.threshold_rate == 0.15  # nothing measured yet
+    steps = ((4, 0), (4, 3), (3, 1), (4, 2), (2, 0), (3, 0), (1, 1), (1, 0))
+    for n, verifying in steps * 2:
+        p.observe_step(n, verifying, 0.016 + 0.001 * n + 0.006 * verifying)
     p.plan(requests)
-    assert abs(p.threshold_rate - COST_MARGIN * 4 * 0.001 / 0.020) < 1e-9
+    threshold = COST_MARGIN * 4 * 0.0015 / 0.020
+    assert abs(p.threshold_rate - threshold) < 1e-6
     p.plan(requests[:1])
-    assert p.threshold_rate == 0.1  # 1.15 x 1 / 17 = 0.068 < the floor
+    assert p.threshold_rate == 0.15  # 1.3 x 1 x 1.5 ms / 17 ms = 0.115 < the floor
     p.observe_proposer(num_drafts=4, seconds=0.004)  # EMA (alpha 0.3) of 1 ms a draft
     p.plan(requests)
-    assert abs(p.threshold_rate - COST_MARGIN * 4 * (0.001 + 0.0003) / 0.020) < 1e-9
-    p.observe("0", 4, 1)  # rate EMA 1 -> 0.775: still speculating
-    p.observe("1", 4, 0)
-    p.observe("1", 4, 0)
-    p.observe("1", 4, 0)  # EMA 0.343 > 0.299: still on
+    threshold = COST_MARGIN * 4 * (0.0015 + 0.0003) / 0.020
+    assert abs(p.threshold_rate - threshold) < 1e-6
+    p.observe("0", 4, 4)  # rate EMA stays 1: speculating
+    p.observe("1", 4, 0)  # EMA 0.7 > 0.468: still on
     assert p.plan(requests) == [(r, 4) for r in requests]
-    p.observe("1", 4, 0)  # 0.24 < 0.299: backs off
+    p.observe("1", 4, 0)  # 0.49 > 0.468 ... then 0.343 < it: backs off
+    p.observe("1", 4, 0)
     assert [r for r, _ in p.plan(requests)] == [requests[0], requests[2], requests[3]]
+    for n, verifying in steps * 32:  # a verification now costs more than a plain step
+        p.observe_step(n, verifying, 0.002 + 0.001 * n + 0.03 * verifying)
+    assert p.plan(requests) == [] and p.threshold_rate >= 1  # nobody proposes
