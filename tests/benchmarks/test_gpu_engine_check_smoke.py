@@ -4,32 +4,22 @@ it runs there, and its results come out equal where they must."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.benchmarks.scripts import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_engine_check.py"
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_gpu_engine_check_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     """Every section run once, in this process (~30 s on 2 cores)."""
-    script = _load_script()
+    script = load_script("gpu_engine_check")
     out = tmp_path_factory.mktemp("gpu_engine_check")
     models = tmp_path_factory.mktemp("models")
     found = {}
@@ -90,7 +80,7 @@ def test_summary_table_names_every_section(results) -> None:
         json.dumps({"sections": {"correctness": {"status": "ok", "rows": [{"ok": True}]}}})
     )
     (out / "engine_dead.json").write_text(json.dumps({"section": "dead", "status": "running"}))
-    table = _load_script().summary(out)
+    table = load_script("gpu_engine_check").summary(out)
     for line in ("| vs-hf | ok |", "| disagg | ok |", "| dead | killed (timeout?) |"):
         assert line in table
     assert "kernels: 1/1 correctness cases" in table

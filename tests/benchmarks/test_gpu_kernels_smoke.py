@@ -3,28 +3,18 @@ once on a borrowed GPU cannot rot: every section runs, every correctness case pa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
+from tests.benchmarks.scripts import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_kernels.py"
-
-
-def _load_script() -> ModuleType:
-    """The script as a module (imports torch only; the kernels are imported by its sections)."""
-    spec = importlib.util.spec_from_file_location("_gpu_kernels_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +34,7 @@ def smoke_results(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_every_correctness_case_passes(smoke_results: dict) -> None:
     section = smoke_results["sections"]["correctness"]
     assert section["status"] == "ok"
-    script = _load_script()
+    script = load_script("gpu_kernels")
     expected = len(script.correctness_specs(script.SMOKE_PLAN))
     assert len(section["rows"]) == expected == section["total"]
     failing = [r for r in section["rows"] if not r["ok"]]

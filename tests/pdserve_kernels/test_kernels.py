@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -407,21 +408,38 @@ def _compare(out: torch.Tensor, ref: torch.Tensor, spec: dict) -> dict:
     )
 
 
-def run_interpreter_checks(names: list[str]) -> dict:
-    check = dict(
-        decode=_check_decode, prefill=_check_prefill, store=_check_store, engine=_check_engine
-    )
+def run_checks(cases: list[tuple[str, Callable[[dict], dict], dict]]) -> dict:
+    """{name: check(spec) with its seconds} of each (name, check, spec); an exception is a
+    failed result carrying its traceback (the pytest side reports it)."""
     results = {}
-    for name in names:
-        spec = CASES[name]
+    for name, check, spec in cases:
         t0 = time.perf_counter()
         try:
-            res = check[spec["kind"]](spec)
+            res = check(spec)
         except Exception:
             res = dict(ok=False, error=traceback.format_exc())
         res["seconds"] = round(time.perf_counter() - t0, 3)
         results[name] = res
     return results
+
+
+def interpreter_results_of(script: str) -> dict:
+    """Run a test module as a script under TRITON_INTERPRET=1 (set before triton is imported:
+    a process of its own) and return the results it prints."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, script], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(lines[-1][len("RESULTS ") :])
+
+
+def run_interpreter_checks(names: list[str]) -> dict:
+    check = dict(
+        decode=_check_decode, prefill=_check_prefill, store=_check_store, engine=_check_engine
+    )
+    return run_checks([(name, check[CASES[name]["kind"]], CASES[name]) for name in names])
 
 
 if __name__ == "__main__":
@@ -438,13 +456,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_results_of(__file__)
 
 
 @pytest.mark.parametrize("name", list(CASES))

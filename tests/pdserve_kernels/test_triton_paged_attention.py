@@ -16,10 +16,7 @@ if __name__ == "__main__":  # the interpreter subprocess: before triton is impor
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
-import subprocess
 import sys
-import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,7 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from test_kernels import build_paged, naive_causal  # noqa: E402
+from test_kernels import (  # noqa: E402
+    build_paged,
+    interpreter_results_of,
+    naive_causal,
+    run_checks,
+)
 
 from pdserve.kernels.reference import (  # noqa: E402
     FP8_MAX,
@@ -298,16 +300,7 @@ def run_interpreter_checks() -> dict:
     cases = [(n, _check_decode, s) for n, s in {**DECODE, **DECODE_WINDOW}.items()]
     cases += [(n, _check_prefill, s) for n, s in {**PREFILL, **PREFILL_WINDOW}.items()]
     cases += [(n, _check_fp8, s) for n, s in FP8_CASES.items()]
-    results = {}
-    for name, check, spec in cases:
-        t0 = time.perf_counter()
-        try:
-            res = check(spec)
-        except Exception:
-            res = dict(ok=False, error=traceback.format_exc())
-        res["seconds"] = round(time.perf_counter() - t0, 3)
-        results[name] = res
-    return results
+    return run_checks(cases)
 
 
 if __name__ == "__main__":
@@ -324,13 +317,7 @@ if __name__ == "__main__":
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(
-        [sys.executable, __file__], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
-    assert proc.returncode == 0 and lines, f"interpreter run failed:\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1][len("RESULTS ") :])
+    return interpreter_results_of(__file__)
 
 
 @pytest.mark.parametrize("name", [*DECODE, *DECODE_WINDOW, *PREFILL, *PREFILL_WINDOW, *FP8_CASES])
