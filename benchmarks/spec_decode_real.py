@@ -75,7 +75,7 @@ def timed(
 ) -> tuple[float, list]:
     """One run on a fresh prefix cache; speculate=False runs the same engine without its
     speculator (same weights and KV memory: two engine instances in one process differ by
-    up to ~8% in speed here, whichever was made first being slower, which would bias a
+    2-8% in speed here in float32, whichever was made first being slower, which would bias a
     comparison between two)."""
     llm.reset_prefix_cache()
     engine = llm.engine
