@@ -193,7 +193,11 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
 #endif
       for (; i < d; ++i) {
         const float g = to_float(gate[i]);
-        o[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(-g))) * to_float(up[i]));
+        // exp's argument capped (as exp16 does): under -ffast-math the division is a
+        // reciprocal estimate refined by Newton's step, which turns 1 / inf into NaN (seen on
+        // AVX2 machines, where this loop is the only one, with a gate below -88).
+        o[i] = static_cast<T>(round_to<T>(g / (1.f + std::exp(std::min(-g, 88.f)))) *
+                              to_float(up[i]));
       }
     }
   });

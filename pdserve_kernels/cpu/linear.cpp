@@ -21,6 +21,13 @@
 // the group's W from L2; sharing each W tile between row blocks (one column block at a time)
 // measured no faster at 17-64 rows. Sums are fp32, rounded to bf16 once (+ bias in
 // fp32 first), as oneDNN does; its accumulation order differs (results may differ by an ulp).
+//
+// Without AMX (an AVX2 + FMA CPU such as AMD Zen 3, which has no bf16 arithmetic at all: torch's
+// bf16 F.linear ran at 0.4 GB/s of weights at one row there, and oneDNN refuses to pack bf16) the
+// same two functions take another layout and loop: W^T as [N'/16][K][16] bf16 (N' a multiple of
+// 16), one 32-byte load per k widened to two 8-float vectors by a shift, times up to 4 rows of x
+// (widened to fp32 once per call) broadcast, into 8 fp32 accumulators; a 16-column panel (at
+// most 48 KiB for K <= 1536) stays in L1/L2 while every row block passes over it.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -28,6 +35,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -36,6 +45,81 @@ using namespace pdserve_cpu;
 constexpr int64_t kGroupCols = 64;  // output columns per group: 4 accumulator tiles of 16
 constexpr int64_t kStepK = 32;      // K per tile multiply (16 bf16 pairs)
 constexpr int kTileRows = 16;       // rows of x per A tile
+
+#if !defined(PDSERVE_AMX) && defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_LINEAR_AVX2 1
+constexpr int64_t kPanelCols = 16;  // output columns per panel (two 8-float vectors)
+constexpr int kRowBlock = 4;        // rows of x per pass over a panel
+
+// 8 bf16 -> 8 floats (bf16 is the top half of an fp32).
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The first `lanes` of v rounded to bf16 (nearest even) at p.
+inline void store8_bf16(c10::BFloat16* p, __m256 v, int lanes) {
+  __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  if (lanes == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  } else {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+    std::memcpy(p, tmp, 2 * lanes);
+  }
+}
+
+// Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, bf16) into out's columns
+// [c0, c0 + cols).
+template <int R>
+void panel_rows(const float* xf, int64_t k, const c10::BFloat16* panel, const float* bias16,
+                c10::BFloat16* out, int64_t n, int64_t r0, int64_t c0, int64_t cols) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const float* xr = xf + r0 * k;
+  for (int64_t kk = 0; kk < k; ++kk, panel += kPanelCols) {
+    const __m256 w0 = widen8(panel), w1 = widen8(panel + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(xr + r * k + kk);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
+  for (int r = 0; r < R; ++r) {
+    c10::BFloat16* o = out + (r0 + r) * n + c0;
+    store8_bf16(o, _mm256_add_ps(acc[r][0], b0), static_cast<int>(std::min<int64_t>(8, cols)));
+    if (cols > 8)
+      store8_bf16(o + 8, _mm256_add_ps(acc[r][1], b1), static_cast<int>(cols - 8));
+  }
+}
+
+// Panels [p0, p1) for all m rows.
+void linear_panels_avx2(const float* xf, int64_t m, const c10::BFloat16* packed, int64_t k,
+                        int64_t n, const c10::BFloat16* bias, c10::BFloat16* out, int64_t p0,
+                        int64_t p1) {
+  alignas(32) float bias16[kPanelCols];
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+    for (int64_t c = 0; c < kPanelCols; ++c)
+      bias16[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
+    const c10::BFloat16* panel = packed + p * k * kPanelCols;
+    int64_t r0 = 0;
+    for (; r0 + kRowBlock <= m; r0 += kRowBlock)
+      panel_rows<kRowBlock>(xf, k, panel, bias16, out, n, r0, c0, cols);
+    switch (m - r0) {
+      case 1: panel_rows<1>(xf, k, panel, bias16, out, n, r0, c0, cols); break;
+      case 2: panel_rows<2>(xf, k, panel, bias16, out, n, r0, c0, cols); break;
+      case 3: panel_rows<3>(xf, k, panel, bias16, out, n, r0, c0, cols); break;
+      default: break;
+    }
+  }
+}
+#endif
 
 #if defined(PDSERVE_AMX)
 // 16 bf16 (the masked lanes; 0 elsewhere) as fp32.
@@ -109,6 +193,8 @@ void linear_groups(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BF
 bool linear_small_m_available() {
 #if defined(PDSERVE_AMX)
   return amx_granted();
+#elif defined(PDSERVE_LINEAR_AVX2)
+  return true;
 #else
   return false;
 #endif
@@ -118,6 +204,13 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w must be bf16 [N, K]");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kStepK == 0, "K must be a multiple of 32");
+#if defined(PDSERVE_LINEAR_AVX2)
+  // [N', K] -> [panels, 16 cols, K] -> [panels, K, 16 cols]
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  auto padded = torch::zeros({panels * kPanelCols, k}, w.options());
+  padded.narrow(0, 0, n).copy_(w);
+  return padded.view({panels, kPanelCols, k}).transpose(1, 2).contiguous().view({-1});
+#else
   const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
   // [N', K] -> [groups, 4 blocks, 16 cols, K/32, 16 pairs, 2] -> [groups, 4, K/32, 16, 16, 2]
   auto padded = torch::zeros({groups * kGroupCols, k}, w.options());
@@ -126,6 +219,7 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
       .permute({0, 1, 3, 4, 2, 5})
       .contiguous()
       .view({-1});
+#endif
 }
 
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
@@ -158,7 +252,38 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
     linear_groups(xp, x.stride(0), m, wp, k, n, b, op, g0, g1);
   });
   return out;
+#elif defined(PDSERVE_LINEAR_AVX2)
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "x must be bf16 [M, K] with contiguous rows");
+  const int64_t m = x.size(0), k = x.size(1);
+  const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
+  TORCH_CHECK(m >= 1, "x has no rows");
+  TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
+                  packed.scalar_type() == torch::kBFloat16 &&
+                  packed.numel() == panels * kPanelCols * k,
+              "packed is not pack_linear_weight's of an [n, K] weight");
+  const c10::BFloat16* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                    bias->numel() == n,
+                "bias must be contiguous bf16 [n]");
+    b = bias->data_ptr<c10::BFloat16>();
+  }
+  // x widened once (M x K floats: at most 128 x K, from L2), rows packed K apart.
+  std::vector<float> xf(m * k);
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
+  auto out = torch::empty({m, n}, x.options());
+  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * 2));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    linear_panels_avx2(xf.data(), m, wp, k, n, b, op, p0, p1);
+  });
+  return out;
 #else
-  TORCH_CHECK(false, "linear_small_m needs AMX (see linear_small_m_available)");
+  TORCH_CHECK(false, "linear_small_m needs AMX or AVX2 (see linear_small_m_available)");
 #endif
 }

@@ -235,6 +235,69 @@ inline void row_chunks(int64_t m, F&& f) {
 }
 #endif  // __AVX512F__
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// AVX2 + FMA without AVX-512 (e.g. AMD Zen 3: 16 ymm registers, no bf16 arithmetic, so bf16
+// is widened and computed as fp32): the same fp32 micro-kernels on 8-float vectors, a pass
+// covering 32 keys (S) or 32 dims (P V) for up to 3 rows: 12 accumulators, the rows' broadcasts
+// and one loaded vector in the 16 registers. ~2.5x the plain loops' speed (which the compiler
+// vectorises, but with one row per pass: a load per FMA).
+constexpr int kAvx2Rows = 3;
+
+template <int kD, int R>
+inline void scores_rows_avx2(const float* q, const float* kt, float* s) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
+    for (int i = 0; i < kD; ++i) {
+      const float* k = kt + i * kKeyTile + 32 * half;
+      __m256 b[R];
+      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(q + r * kD + i);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 kv = _mm256_loadu_ps(k + 8 * c);
+        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(b[r], kv, a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s + r * kKeyTile + 32 * half + 8 * c, a[r][c]);
+  }
+}
+
+template <int kD, int R>
+inline void accumulate_rows_avx2(float* acc, const float* rescale, const float* p,
+                                 const float* v, int64_t nk) {
+  for (int d0 = 0; d0 < kD; d0 += 32) {
+    __m256 a[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c)
+        a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0 + 8 * c),
+                                _mm256_broadcast_ss(rescale + r));
+    for (int64_t j = 0; j < nk; ++j) {
+      __m256 b[R];
+      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(p + r * kKeyTile + j);
+      for (int c = 0; c < 4; ++c) {
+        const __m256 vj = _mm256_loadu_ps(v + j * kD + d0 + 8 * c);
+        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(b[r], vj, a[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + r * kD + d0 + 8 * c, a[r][c]);
+  }
+}
+
+// f(std::integral_constant<int, R>, row) over rows [0, m), kAvx2Rows at a time.
+template <typename F>
+inline void row_chunks_avx2(int64_t m, F&& f) {
+  int64_t r = 0;
+  for (; r + kAvx2Rows <= m; r += kAvx2Rows) f(std::integral_constant<int, kAvx2Rows>{}, r);
+  if (m - r == 1) f(std::integral_constant<int, 1>{}, r);
+  if (m - r == 2) f(std::integral_constant<int, 2>{}, r);
+}
+
+template <typename E, int kD>
+constexpr bool kAvx2Kernels = std::is_same_v<E, float> && kD > 0 && kD % 32 == 0;
+#endif
+
 #if defined(PDSERVE_AMX)
 // AMX (bf16, head_dim % 64 == 0, where the OS grants the tile state): both products on the tile
 // unit, 16 query rows at a time (M padded to a multiple of 16 with zero rows). Q [M, D] is an A
@@ -337,6 +400,13 @@ inline void scores(const E* q, const E* k, float* s, int64_t m, int64_t d) {
     });
     return;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2Kernels<E, kD>) {
+    row_chunks_avx2(m, [&](auto rows, int64_t r) {
+      scores_rows_avx2<kD, decltype(rows)::value>(q + r * kD, k, s + r * kKeyTile);
+    });
+    return;
+  }
 #endif
   if constexpr (std::is_same_v<E, float>) scores_plain(q, k, s, m, d);
 }
@@ -349,6 +419,14 @@ inline void accumulate(float* acc, const float* rescale, const E* p, const E* v,
     row_chunks<kAccRows<kD>>(m, [&](auto rows, int64_t r) {
       accumulate_rows<kD, decltype(rows)::value>(acc + r * kD, rescale + r, p + r * kKeyTile, v,
                                                  nk);
+    });
+    return;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  if constexpr (kAvx2Kernels<E, kD>) {
+    row_chunks_avx2(m, [&](auto rows, int64_t r) {
+      accumulate_rows_avx2<kD, decltype(rows)::value>(acc + r * kD, rescale + r,
+                                                      p + r * kKeyTile, v, nk);
     });
     return;
   }

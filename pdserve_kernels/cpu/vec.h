@@ -6,7 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__SSE__)

@@ -315,6 +315,20 @@ def test_fused_layers_match_torch(ops, dtype, tokens, hidden):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_of_extreme_gates_is_finite(ops, dtype):
+    """Gates far below -88 (exp(-g) overflows) give silu 0, not NaN, on every path: the
+    AVX-512 loop and the scalar one (all of it on an AVX2 CPU, where -ffast-math's reciprocal
+    once turned 1 / inf into NaN and a LoRA test's outputs into token 0)."""
+    gate = torch.tensor([-1e4, -500.0, -100.0, -89.0, -88.0, -20.0, 0.0, 20.0, 100.0, 1e4] * 4)
+    up = torch.linspace(-3, 3, gate.numel())
+    gate_up = torch.cat([gate, up])[None].to(dtype)  # 40 wide: vector body and scalar tail
+    got = ops.silu_and_mul(gate_up)
+    want = F.silu(gate.to(dtype).double()) * up.to(dtype).double()
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.double(), want[None], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(12, 4, 64), (4, 2, 40)])
 def test_rotary_embedding_in_place_on_qkv_views(ops, dtype, hq, hkv, d):
     g = torch.Generator().manual_seed(hq + d)
