@@ -132,18 +132,24 @@ of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256 (benchmarks/small_rows_l
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
-    """weight ([N, K] bf16) in the layout of the compiled AMX kernel for few-row products
-    (pdserve_kernels/cpu/linear.cpp), or None where it cannot run: no kernels, no AMX granted,
-    not bf16, K not a multiple of 32. A second copy of the weight (the oneDNN copy serves the
-    many-row products of prefill)."""
-    if weight.is_cuda or weight.dtype != torch.bfloat16 or weight.shape[1] % 32:
+    """weight ([N, K]) in the layout of the compiled kernel for few-row products
+    (pdserve_kernels/cpu/linear.cpp: AMX, bf16; or AVX2 + FMA, bf16 or float32), or None where
+    it cannot run: no kernels, neither AMX granted nor AVX2, a dtype the build does not take,
+    K not a multiple of 32. A second copy of the weight (the oneDNN copy serves the many-row
+    products of prefill)."""
+    if weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if weight.shape[1] % 32:
         return None
     from pdserve.kernels.cpu import cpu_ops
 
     ops = cpu_ops()
     if ops is None or not ops.linear_small_m_available():
         return None
-    return ops.pack_linear_weight(weight.detach())
+    try:
+        return ops.pack_linear_weight(weight.detach())
+    except RuntimeError:  # float32 on the AMX build (bf16 only)
+        return None
 
 
 def packed_linear(
@@ -163,7 +169,7 @@ def packed_linear(
         and x.shape[0] <= SMALL_ROWS_MAX
         and x.dim() == 2
         and x.stride(1) == 1
-        and x.dtype == torch.bfloat16
+        and x.dtype == small.dtype
     ):
         return ops.linear_small_m(x, small, weight.shape[0], bias)
     if packed is not None and packed.dtype != x.dtype:  # bf16 packed as float32 (pack_weight)

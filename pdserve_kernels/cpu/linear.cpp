@@ -73,11 +73,23 @@ inline void store8_bf16(c10::BFloat16* p, __m256 v, int lanes) {
   }
 }
 
-// Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, bf16) into out's columns
-// [c0, c0 + cols).
-template <int R>
-void panel_rows(const float* xf, int64_t k, const c10::BFloat16* panel, const float* bias16,
-                c10::BFloat16* out, int64_t n, int64_t r0, int64_t c0, int64_t cols) {
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline void store8_bf16(float* p, __m256 v, int lanes) {  // float32 outputs: no rounding
+  if (lanes == 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(p, tmp, 4 * lanes);
+  }
+}
+
+// Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, W: bf16 or float) into
+// out's columns [c0, c0 + cols).
+template <int R, typename W>
+void panel_rows(const float* xf, int64_t k, const W* panel, const float* bias16,
+                W* out, int64_t n, int64_t r0, int64_t c0, int64_t cols) {
   __m256 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const float* xr = xf + r0 * k;
@@ -91,7 +103,7 @@ void panel_rows(const float* xf, int64_t k, const c10::BFloat16* panel, const fl
   }
   const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
   for (int r = 0; r < R; ++r) {
-    c10::BFloat16* o = out + (r0 + r) * n + c0;
+    W* o = out + (r0 + r) * n + c0;
     store8_bf16(o, _mm256_add_ps(acc[r][0], b0), static_cast<int>(std::min<int64_t>(8, cols)));
     if (cols > 8)
       store8_bf16(o + 8, _mm256_add_ps(acc[r][1], b1), static_cast<int>(cols - 8));
@@ -99,15 +111,15 @@ void panel_rows(const float* xf, int64_t k, const c10::BFloat16* panel, const fl
 }
 
 // Panels [p0, p1) for all m rows.
-void linear_panels_avx2(const float* xf, int64_t m, const c10::BFloat16* packed, int64_t k,
-                        int64_t n, const c10::BFloat16* bias, c10::BFloat16* out, int64_t p0,
-                        int64_t p1) {
+template <typename W>
+void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, int64_t n,
+                        const W* bias, W* out, int64_t p0, int64_t p1) {
   alignas(32) float bias16[kPanelCols];
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
     for (int64_t c = 0; c < kPanelCols; ++c)
       bias16[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
-    const c10::BFloat16* panel = packed + p * k * kPanelCols;
+    const W* panel = packed + p * k * kPanelCols;
     int64_t r0 = 0;
     for (; r0 + kRowBlock <= m; r0 += kRowBlock)
       panel_rows<kRowBlock>(xf, k, panel, bias16, out, n, r0, c0, cols);
@@ -201,7 +213,13 @@ bool linear_small_m_available() {
 }
 
 torch::Tensor pack_linear_weight(torch::Tensor w) {
+#if defined(PDSERVE_LINEAR_AVX2)
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kBFloat16 ||
+                               w.scalar_type() == torch::kFloat32),
+              "w must be bf16 or float32 [N, K]");
+#else
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w must be bf16 [N, K]");
+#endif
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kStepK == 0, "K must be a multiple of 32");
 #if defined(PDSERVE_LINEAR_AVX2)
@@ -253,35 +271,38 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
   });
   return out;
 #elif defined(PDSERVE_LINEAR_AVX2)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "x must be bf16 [M, K] with contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type() &&
+                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+              "x must be bf16 or float32 [M, K] with contiguous rows, in packed's dtype");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
   TORCH_CHECK(m >= 1, "x has no rows");
   TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
-                  packed.scalar_type() == torch::kBFloat16 &&
                   packed.numel() == panels * kPanelCols * k,
               "packed is not pack_linear_weight's of an [n, K] weight");
-  const c10::BFloat16* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
                     bias->numel() == n,
-                "bias must be contiguous bf16 [n]");
-    b = bias->data_ptr<c10::BFloat16>();
-  }
-  // x widened once (M x K floats: at most 128 x K, from L2), rows packed K apart.
-  std::vector<float> xf(m * k);
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
+                "bias must be contiguous [n] in x's dtype");
   auto out = torch::empty({m, n}, x.options());
-  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * 2));
-  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-    linear_panels_avx2(xf.data(), m, wp, k, n, b, op, p0, p1);
-  });
+  auto run = [&](auto tag) {
+    using W = decltype(tag);
+    const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;
+    // x widened once (M x K floats: at most 128 x K, from L2), rows packed K apart.
+    std::vector<float> xf(m * k);
+    const W* xp = x.data_ptr<W>();
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
+    const W* wp = packed.data_ptr<W>();
+    W* op = out.data_ptr<W>();
+    // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
+    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      linear_panels_avx2<W>(xf.data(), m, wp, k, n, b, op, p0, p1);
+    });
+  };
+  if (x.scalar_type() == torch::kFloat32) run(float{});
+  else run(c10::BFloat16{});
   return out;
 #else
   TORCH_CHECK(false, "linear_small_m needs AMX or AVX2 (see linear_small_m_available)");

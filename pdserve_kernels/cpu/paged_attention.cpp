@@ -19,7 +19,7 @@
 #include <cmath>
 #include <algorithm>
 #include <type_traits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #include <cstring>
@@ -126,6 +126,110 @@ void decode_one(const T* q, const T* cache, const int64_t* table, int64_t first,
   }
   for (int64_t i = 0; i < qd; ++i) out[i] = static_cast<T>(acc[i]);
 }
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PDSERVE_DECODE_AVX2 1
+// lane i = the horizontal sum of v[i], for 8 vectors.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0123, h4567, 0x20),
+                       _mm256_permute2f128_ps(h0123, h4567, 0x31));
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top halves)
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// decode_one on AVX2 + FMA (e.g. AMD Zen 3, no AVX-512): the same two passes, with q . k taken
+// 8 keys at a time (8 accumulators, one q vector load per 8 K vectors, one 8-way horizontal
+// reduction per 8 scores instead of one per score) and P V 64 dims (8 accumulators) at a time;
+// bf16 K/V widened as loaded (a widening pass through a buffer measured no faster than the
+// plain loops). 1.3-1.55x decode_one (4 x 7680 and 48 x 450 contexts, SmolLM2's heads).
+template <typename T, int kD>
+void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t first,
+                     int64_t seq_len, T* out, int64_t kv_head, int64_t num_kv_heads,
+                     int64_t group, int64_t block_size, float scale, std::vector<float>& work) {
+  static_assert(kD > 0 && kD % 8 == 0, "head_dim must be a multiple of 8");
+  constexpr int kC = kD / 8;                     // vectors per row
+  constexpr int kV = kC % 8 == 0 ? 8 : kC;       // accumulators per P V pass
+  static_assert(kC % kV == 0);
+  const int64_t qd = group * kD;
+  const int64_t len = seq_len - first;
+  const int64_t stride = len + 8;  // a score row, room for a last full 8-key store
+  work.resize(2 * qd + group * stride);
+  float* qf = work.data();
+  float* acc = qf + qd;
+  float* scores = acc + qd;               // [group, stride]
+  for (int64_t i = 0; i < qd; ++i) {
+    qf[i] = to_float(q[i]) * scale;
+    acc[i] = 0.f;
+  }
+  const int64_t kv_stride = num_kv_heads * block_size * kD;  // K -> V of one block
+  const int64_t block_stride = 2 * kv_stride;
+  const int64_t head_offset = kv_head * block_size * kD;
+  auto rows_of = [&](int64_t start, int64_t kv) -> const T* {
+    return cache + table[start / block_size] * block_stride + kv * kv_stride + head_offset +
+           (start % block_size) * kD;
+  };
+  for (int64_t start = first; start < seq_len;) {
+    const int64_t n = std::min(block_size - start % block_size, seq_len - start);
+    const T* k = rows_of(start, 0);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {
+      const int64_t nk = std::min<int64_t>(8, n - j0);
+      const T* kr[8];
+      for (int64_t i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * kD;  // tail: repeats
+      for (int64_t g = 0; g < group; ++g) {
+        __m256 a[8];
+        const __m256 q0 = _mm256_loadu_ps(qf + g * kD);
+        for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, load8(kr[i]));
+        for (int c = 1; c < kC; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qf + g * kD + 8 * c);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qc, load8(kr[i] + 8 * c), a[i]);
+        }
+        _mm256_storeu_ps(scores + g * stride + start - first + j0, reduce8(a));  // past nk: overwritten or unused
+      }
+    }
+    start += n;
+  }
+  for (int64_t g = 0; g < group; ++g) {  // softmax over the len scores, per query head
+    float* sc = scores + g * stride;
+    float m = sc[0];
+    for (int64_t p = 1; p < len; ++p) m = std::max(m, sc[p]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t p = 0; p < len; ++p) {
+      sc[p] = expf(sc[p] - m);  // libmvec under -ffast-math
+      sum += sc[p];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t p = 0; p < len; ++p) sc[p] *= inv;
+  }
+  for (int64_t start = first; start < seq_len;) {
+    const int64_t n = std::min(block_size - start % block_size, seq_len - start);
+    const T* v = rows_of(start, 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* w = scores + g * stride + start - first;
+      for (int d0 = 0; d0 < kD; d0 += 8 * kV) {
+        __m256 a[kV];
+        for (int c = 0; c < kV; ++c) a[c] = _mm256_loadu_ps(acc + g * kD + d0 + 8 * c);
+        for (int64_t j = 0; j < n; ++j) {
+          const __m256 wj = _mm256_broadcast_ss(w + j);
+          for (int c = 0; c < kV; ++c)
+            a[c] = _mm256_fmadd_ps(wj, load8(v + j * kD + d0 + 8 * c), a[c]);
+        }
+        for (int c = 0; c < kV; ++c) _mm256_storeu_ps(acc + g * kD + d0 + 8 * c, a[c]);
+      }
+    }
+    start += n;
+  }
+  for (int64_t i = 0; i < qd; ++i) out[i] = static_cast<T>(acc[i]);
+}
+#endif
 
 #if defined(__AVX512F__)
 // AVX-512 path (head_dim a multiple of 16): scores for up to 16 positions at a time (one fp32
@@ -576,6 +680,15 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t head = h * group * head_dim;
+#if defined(PDSERVE_DECODE_AVX2)
+      if constexpr (kD > 0 && kD % 8 == 0) {
+        decode_one_avx2<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
+                               first_key(len_ptr[r], window), len_ptr[r],
+                               out_ptr + r * out_row + head, h, num_kv_heads, group, block_size,
+                               static_cast<float>(scale), work);
+        continue;
+      }
+#endif
       decode_one<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
                         first_key(len_ptr[r], window), len_ptr[r], out_ptr + r * out_row + head, h,
                         num_kv_heads, group, block_size, head_dim, static_cast<float>(scale), work);

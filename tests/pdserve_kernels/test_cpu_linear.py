@@ -1,5 +1,6 @@
-"""The few-row AMX linear kernel (pdserve_kernels/cpu/linear.cpp) against a float64 product,
-and the model's Linear choosing it for decode-sized inputs only."""
+"""The few-row linear kernel (pdserve_kernels/cpu/linear.cpp: AMX bf16, or AVX2 + FMA bf16 and
+float32) against a float64 product, and the model's Linear choosing it for decode-sized inputs
+only."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ def ops():
     module = cpu_ops()
     assert module is not None, "the CPU kernels must build on this machine (gcc + ninja)"
     if not module.linear_small_m_available():
-        pytest.skip("this CPU has no AMX (or the OS does not grant it): oneDNN serves every row")
+        pytest.skip("this CPU has neither AMX (granted) nor AVX2: oneDNN serves every row")
     return module
 
 
@@ -38,6 +39,26 @@ def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
     # fp32 sums rounded once to bf16: within one bf16 ulp (2^-8 relative) plus fp32 noise
     err = (out.double() - want).abs()
     assert (err <= want.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 48])
+def test_float32_where_the_build_takes_it(ops, rows):
+    """The AVX2 build multiplies float32 weights too (float32 models' decode steps); the AMX
+    build refuses them (bf16 only), and the model then keeps oneDNN / F.linear."""
+    g = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
+    try:
+        packed = ops.pack_linear_weight(w)
+    except RuntimeError as e:
+        assert "bf16" in str(e)
+        assert llama.pack_small_rows(w) is None
+        return
+    x = torch.randn(rows, 96, generator=g)
+    out = ops.linear_small_m(x, packed, 200, bias)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference(x, w, bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.linear_small_m(x.bfloat16(), packed, 200)
 
 
 def test_strided_rows_and_a_view_of_a_wider_tensor(ops):
