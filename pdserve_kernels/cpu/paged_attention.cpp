@@ -148,7 +148,10 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top ha
 // 8 keys at a time (8 accumulators, one q vector load per 8 K vectors, one 8-way horizontal
 // reduction per 8 scores instead of one per score) and P V 64 dims (8 accumulators) at a time;
 // bf16 K/V widened as loaded (a widening pass through a buffer measured no faster than the
-// plain loops). 1.3-1.55x decode_one (4 x 7680 and 48 x 450 contexts, SmolLM2's heads).
+// plain loops). 1.3-1.55x decode_one in fp32 (4 x 7680 and 48 x 450 contexts, SmolLM2's
+// heads) and at 48 x 450 in bf16, ~1.1x at 4 x 7680 in bf16 (benchmarks/decode_attention_cpu.py).
+// Prefetching the next block's rows of the head, as the AVX-512 path does, measured slower
+// here (2.08 vs 1.68-1.85 ms a call at 4 x 7680 bf16).
 template <typename T, int kD>
 void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t first,
                      int64_t seq_len, T* out, int64_t kv_head, int64_t num_kv_heads,
