@@ -1,5 +1,6 @@
-"""Decode-sized products: the few-row AMX kernel (pdserve_kernels/cpu/linear.cpp) vs oneDNN's
-packed GEMM (what every product used before), over the projections of a whole model.
+"""Decode-sized products: the few-row kernel (pdserve_kernels/cpu/linear.cpp: AMX on a CPU that
+has it, AVX2 + FMA otherwise) vs oneDNN's packed GEMM (what every product used before), over the
+projections of a whole model, each called as the engine calls it (llama.packed_linear).
 
 One "step" multiplies R rows by every projection of SmolLM2-135M's 30 layers (q/k/v fused
 960x576, o 576x576, gate/up fused 3072x576, down 576x1536: 213 MB of bf16 weights, random), in
@@ -26,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.models.llama import pack_small_rows, pack_weight  # noqa: E402
+from pdserve.engine.models.llama import pack_small_rows, pack_weight, packed_linear  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K] of one layer's projections
 LAYERS = 30
@@ -36,6 +37,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 128, 256])
     p.add_argument("--repeats", type=int, default=10, help="timed steps per path and row count")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/small_rows_linear.json"))
     return p.parse_args()
@@ -45,29 +47,30 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    weights = [[torch.randn(n, k).bfloat16() for n, k in SHAPES] for _ in range(LAYERS)]
+    dtype = getattr(torch, args.dtype)
+    weights = [[torch.randn(n, k).to(dtype) for n, k in SHAPES] for _ in range(LAYERS)]
     onednn = [[pack_weight(w) for w in layer] for layer in weights]
     small = [[pack_small_rows(w) for w in layer] for layer in weights]
     if any(s is None for layer in small for s in layer):
-        sys.exit("the AMX kernel does not run here (no AMX, or the kernels did not build)")
+        sys.exit(f"the few-row kernel takes no {args.dtype} weights here (or did not build)")
     from pdserve.kernels.cpu import cpu_ops
 
     ops = cpu_ops()
-    nbytes = sum(n * k * 2 for n, k in SHAPES) * LAYERS
+    nbytes = sum(n * k * dtype.itemsize for n, k in SHAPES) * LAYERS
 
     def step(path: str, xs: dict[int, torch.Tensor]) -> float:
         start = time.perf_counter()
         for layer in range(LAYERS):
-            for (n, k), packed, amx in zip(SHAPES, onednn[layer], small[layer], strict=True):
+            for w, packed, few in zip(weights[layer], onednn[layer], small[layer], strict=True):
                 if path == "onednn":
-                    torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+                    packed_linear(xs[w.shape[1]], w, packed, None)
                 else:
-                    ops.linear_small_m(xs[k], amx, n)
+                    packed_linear(xs[w.shape[1]], w, packed, None, few, ops)
         return time.perf_counter() - start
 
     results = []
     for rows in args.rows:
-        xs = {k: torch.randn(rows, k).bfloat16() for k in {k for _, k in SHAPES}}
+        xs = {k: torch.randn(rows, k).to(dtype) for k in {k for _, k in SHAPES}}
         times: dict[str, list[float]] = {"onednn": [], "kernel": []}
         for path in times:
             step(path, xs)  # warm-up (oneDNN builds its primitive for this row count)
@@ -90,6 +93,7 @@ def main() -> None:
         )
     out = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
+        "dtype": args.dtype,
         "weights_mb": round(nbytes / 1e6, 1),
         "repeats": args.repeats,
         "results": results,

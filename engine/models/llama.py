@@ -127,8 +127,10 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
 
 SMALL_ROWS_MAX = 128
 """Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
-layout (pack_small_rows): 1.7-1.8x oneDNN's speed at 1-16 rows on this CPU (21-22 vs 12 GB/s
-of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256 (benchmarks/small_rows_linear.py)."""
+layout (pack_small_rows): 1.7-1.8x oneDNN's speed at 1-16 rows on an AMX CPU (21-22 vs 12 GB/s
+of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256; on AVX2 (AMD Zen 3) 2.1-2.7x at 1-4
+rows, 1.1-1.3x at 16-48, 1.0-1.1x at 128, in bf16 and float32 (benchmarks/small_rows_linear.py
+--dtype)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:

@@ -25,7 +25,7 @@ def reference(x, w, bias):
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 16, 17, 33, 128])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 11, 12, 13, 16, 17, 33, 128])
 @pytest.mark.parametrize("n,k", [(960, 576), (5, 32), (576, 1536), (130, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
@@ -41,7 +41,7 @@ def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
     assert (err <= want.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 48])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 8, 9, 13, 48])
 def test_float32_where_the_build_takes_it(ops, rows):
     """The AVX2 build multiplies float32 weights too (float32 models' decode steps); the AMX
     build refuses them (bf16 only), and the model then keeps oneDNN / F.linear."""
