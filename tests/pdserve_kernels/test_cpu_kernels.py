@@ -390,10 +390,10 @@ def test_store_kv_matches_the_torch_write(ops, dtype):
         ops.store_kv(k, v, ours, torch.tensor([8, 9, 23, 40, 41, 42, num_blocks * block_size]))
 
 
-@pytest.mark.parametrize("n", [1, 7, 16, 33, 8192])
+@pytest.mark.parametrize("n", [1, 7, 16, 31, 32, 33, 63, 100, 8192, 49152])
 def test_argmax_rows_is_torch_argmax(ops, n):
     """First index of the maximum on ties, NaN wins (its first index), -inf rows, widths below,
-    at and across the 16-lane vector width."""
+    at and across the vector widths (16 lanes on AVX-512, 4 x 8 on AVX2)."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(9, n, generator=g)
     x[1] = 0.5  # all tied: index 0
@@ -403,6 +403,7 @@ def test_argmax_rows_is_torch_argmax(ops, n):
     x[5, :] = float("nan")
     x[6, n // 3] = float("inf")
     x[7] = torch.randint(0, 3, (n,), generator=g).float()  # many ties
+    x[8, n - 1] = 99.0  # the maximum in the tail past the last full vector
     want = x.argmax(dim=-1)
     assert torch.equal(ops.argmax_rows(x), want)
     from pdserve.engine import sampler
