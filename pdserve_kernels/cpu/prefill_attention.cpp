@@ -238,50 +238,56 @@ inline void row_chunks(int64_t m, F&& f) {
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 // AVX2 + FMA without AVX-512 (e.g. AMD Zen 3: 16 ymm registers, no bf16 arithmetic, so bf16
 // is widened and computed as fp32): the same fp32 micro-kernels on 8-float vectors, a pass
-// covering 32 keys (S) or 32 dims (P V) for up to 3 rows: 12 accumulators, the rows' broadcasts
-// and one loaded vector in the 16 registers. ~2.5x the plain loops' speed (which the compiler
-// vectorises, but with one row per pass: a load per FMA).
-constexpr int kAvx2Rows = 3;
+// covering 16 keys (S) or 16 dims (P V) for up to 6 rows: 12 accumulators, the two loaded
+// vectors and a row's broadcast in the 16 registers, so each k (or key) costs 2 vector loads
+// and 6 broadcasts for 12 FMAs. The first version (32 keys x 3 rows) had no register left for
+// the loaded vector, so GCC folded a 256-bit load into every FMA: 15 loads per 12 FMAs, and the
+// two load ports, not the FMA units, set its speed (~65% of the FMA peak per core).
+constexpr int kAvx2Rows = 6;
 
 template <int kD, int R>
 inline void scores_rows_avx2(const float* q, const float* kt, float* s) {
-  for (int half = 0; half < 2; ++half) {
-    __m256 a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_ps();
+  for (int c0 = 0; c0 < kKeyTile; c0 += 16) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
     for (int i = 0; i < kD; ++i) {
-      const float* k = kt + i * kKeyTile + 32 * half;
-      __m256 b[R];
-      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(q + r * kD + i);
-      for (int c = 0; c < 4; ++c) {
-        const __m256 kv = _mm256_loadu_ps(k + 8 * c);
-        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(b[r], kv, a[r][c]);
+      const float* k = kt + i * kKeyTile + c0;
+      const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(q + r * kD + i);
+        a[r][0] = _mm256_fmadd_ps(b, k0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(b, k1, a[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(s + r * kKeyTile + 32 * half + 8 * c, a[r][c]);
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(s + r * kKeyTile + c0, a[r][0]);
+      _mm256_storeu_ps(s + r * kKeyTile + c0 + 8, a[r][1]);
+    }
   }
 }
 
 template <int kD, int R>
 inline void accumulate_rows_avx2(float* acc, const float* rescale, const float* p,
                                  const float* v, int64_t nk) {
-  for (int d0 = 0; d0 < kD; d0 += 32) {
-    __m256 a[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c)
-        a[r][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0 + 8 * c),
-                                _mm256_broadcast_ss(rescale + r));
+  for (int d0 = 0; d0 < kD; d0 += 16) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      const __m256 f = _mm256_broadcast_ss(rescale + r);
+      a[r][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0), f);
+      a[r][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0 + 8), f);
+    }
     for (int64_t j = 0; j < nk; ++j) {
-      __m256 b[R];
-      for (int r = 0; r < R; ++r) b[r] = _mm256_broadcast_ss(p + r * kKeyTile + j);
-      for (int c = 0; c < 4; ++c) {
-        const __m256 vj = _mm256_loadu_ps(v + j * kD + d0 + 8 * c);
-        for (int r = 0; r < R; ++r) a[r][c] = _mm256_fmadd_ps(b[r], vj, a[r][c]);
+      const __m256 v0 = _mm256_loadu_ps(v + j * kD + d0), v1 = _mm256_loadu_ps(v + j * kD + d0 + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 b = _mm256_broadcast_ss(p + r * kKeyTile + j);
+        a[r][0] = _mm256_fmadd_ps(b, v0, a[r][0]);
+        a[r][1] = _mm256_fmadd_ps(b, v1, a[r][1]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + r * kD + d0 + 8 * c, a[r][c]);
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * kD + d0, a[r][0]);
+      _mm256_storeu_ps(acc + r * kD + d0 + 8, a[r][1]);
+    }
   }
 }
 
@@ -290,12 +296,18 @@ template <typename F>
 inline void row_chunks_avx2(int64_t m, F&& f) {
   int64_t r = 0;
   for (; r + kAvx2Rows <= m; r += kAvx2Rows) f(std::integral_constant<int, kAvx2Rows>{}, r);
-  if (m - r == 1) f(std::integral_constant<int, 1>{}, r);
-  if (m - r == 2) f(std::integral_constant<int, 2>{}, r);
+  switch (m - r) {
+    case 1: f(std::integral_constant<int, 1>{}, r); break;
+    case 2: f(std::integral_constant<int, 2>{}, r); break;
+    case 3: f(std::integral_constant<int, 3>{}, r); break;
+    case 4: f(std::integral_constant<int, 4>{}, r); break;
+    case 5: f(std::integral_constant<int, 5>{}, r); break;
+    default: break;
+  }
 }
 
 template <typename E, int kD>
-constexpr bool kAvx2Kernels = std::is_same_v<E, float> && kD > 0 && kD % 32 == 0;
+constexpr bool kAvx2Kernels = std::is_same_v<E, float> && kD > 0 && kD % 16 == 0;
 #endif
 
 #if defined(PDSERVE_AMX)
@@ -631,6 +643,57 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
                                                   reduce16(tile_sums)));
     _mm512_storeu_ps(row_max + r, top);
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Per row: the visible lanes' max, their exps (exp8; the rest 0), the sum; 8 vectors a row.
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 scale = _mm256_set1_ps(score_scale);
+  for (int64_t r = 0; r < m; ++r) {
+    const auto [lo, hi] = visible_in_tile(p0 + r % rows, start, nk, window);
+    float* sr = s + r * kKeyTile;
+    if (lo >= hi) {
+      rescale[r] = 1.f;
+      std::fill(sr, sr + kKeyTile, 0.f);
+      continue;
+    }
+    __m256 x[kKeyTile / 8];
+    __m256 top = _mm256_set1_ps(row_max[r]);
+    __m256 sum = _mm256_setzero_ps();
+    if (lo == 0 && hi == kKeyTile) {  // every key visible: most tiles of a long prompt
+      for (int c = 0; c < kKeyTile / 8; ++c) {
+        x[c] = _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), scale);
+        top = _mm256_max_ps(top, x[c]);
+      }
+      const __m256 mxv = _mm256_set1_ps(hmax8(top));
+      for (int c = 0; c < kKeyTile / 8; ++c) {
+        const __m256 e = exp8(_mm256_sub_ps(x[c], mxv));
+        _mm256_storeu_ps(sr + 8 * c, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+    } else {
+      const __m256i below = _mm256_set1_epi32(static_cast<int>(lo) - 1);
+      const __m256i end = _mm256_set1_epi32(static_cast<int>(hi));
+      __m256 visible[kKeyTile / 8];
+      for (int c = 0; c < kKeyTile / 8; ++c) {
+        const __m256i j = _mm256_add_epi32(lane, _mm256_set1_epi32(8 * c));
+        visible[c] = _mm256_castsi256_ps(
+            _mm256_and_si256(_mm256_cmpgt_epi32(j, below), _mm256_cmpgt_epi32(end, j)));
+        x[c] = _mm256_mul_ps(_mm256_loadu_ps(sr + 8 * c), scale);
+        top = _mm256_max_ps(top, _mm256_blendv_ps(_mm256_set1_ps(kNoScore), x[c], visible[c]));
+      }
+      const __m256 mxv = _mm256_set1_ps(hmax8(top));
+      for (int c = 0; c < kKeyTile / 8; ++c) {
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(x[c], mxv)), visible[c]);
+        _mm256_storeu_ps(sr + 8 * c, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+    }
+    const float mx = hmax8(top);
+    rescale[r] = expf(row_max[r] - mx);
+    row_sum[r] = row_sum[r] * rescale[r] + hsum8(sum);
+    row_max[r] = mx;
+  }
+  if constexpr (!std::is_same_v<E, float>)
+    for (int64_t j = 0; j < m * kKeyTile; ++j) p[j] = static_cast<E>(s[j]);
 #else
   for (int64_t r = 0; r < m; ++r) {
     const auto [lo, hi] = visible_in_tile(p0 + r % rows, start, nk, window);
