@@ -337,17 +337,27 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;
-    // x widened once (M x K floats: at most 128 x K, from L2), rows packed K apart.
-    std::vector<float> xf(m * k);
+    // x as float32 rows packed K apart: x itself when it already is, else widened (or packed)
+    // once (M x K floats: at most 128 x K, from L2).
     const W* xp = x.data_ptr<W>();
-    for (int64_t r = 0; r < m; ++r)
-      for (int64_t j = 0; j < k; ++j) xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
+    std::vector<float> xf;
+    const float* xrows = nullptr;
+    if constexpr (std::is_same_v<W, float>) {
+      if (x.stride(0) == k) xrows = xp;
+    }
+    if (xrows == nullptr) {
+      xf.resize(m * k);
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t j = 0; j < k; ++j)
+          xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
+      xrows = xf.data();
+    }
     const W* wp = packed.data_ptr<W>();
     W* op = out.data_ptr<W>();
     // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-      linear_panels_avx2<W>(xf.data(), m, wp, k, n, b, op, p0, p1);
+      linear_panels_avx2<W>(xrows, m, wp, k, n, b, op, p0, p1);
     });
   };
   if (x.scalar_type() == torch::kFloat32) run(float{});

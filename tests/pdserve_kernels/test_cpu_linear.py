@@ -70,6 +70,22 @@ def test_strided_rows_and_a_view_of_a_wider_tensor(ops):
     torch.testing.assert_close(out.double(), reference(x, w, None), rtol=2**-7, atol=1e-2)
 
 
+def test_float32_rows_read_in_place_or_copied_when_strided(ops):
+    """Float32 x with rows K apart is read as it is; a view of a wider tensor is packed first:
+    both give the product (AVX2 builds; the AMX build takes no float32)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=g)
+    try:
+        packed = ops.pack_linear_weight(w)
+    except RuntimeError as e:
+        assert "bf16" in str(e)
+        return
+    wide = torch.randn(7, 96, generator=g)
+    for x in (wide[:, :64], wide[:, :64].contiguous()):
+        out = ops.linear_small_m(x, packed, 40)
+        torch.testing.assert_close(out.double(), reference(x, w, None), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_shapes_are_refused_with_an_error(ops):
     w = torch.randn(64, 48).bfloat16()
     with pytest.raises(RuntimeError, match="multiple of 32"):
