@@ -27,9 +27,9 @@
 // same two functions take another layout and loop: W^T as [N'/16][K][16] bf16 (N' a multiple of
 // 16) or float32, one 32-byte load per k (bf16: widened to two 8-float vectors by a shift),
 // times up to 6 rows of x (widened to fp32 once per call) broadcast, into 12 fp32 accumulators;
-// a 16-column panel stays in L1/L2 while every row block passes over it. A bf16 panel met by 8
-// or more rows is widened to float once per call, so the passes after the first do not widen
-// again (and have the registers for 6 rows).
+// a 16-column panel stays in L1/L2 while every row block passes over it. A panel met by 12 or
+// more rows is copied to a float buffer once per call (bf16: widened), so the passes after the
+// first read it from cache (and bf16's do not widen again, and have the registers for 6 rows).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -88,48 +88,27 @@ inline void store8(float* p, __m256 v, int lanes) {  // float32 outputs: no roun
 }
 
 // Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, P: bf16 or float) into
-// out's columns [c0, c0 + cols). R <= 6: 12 accumulators, two weight vectors and a broadcast
-// in the 16 ymm registers (a bf16 panel's widening needs one more: it takes at most 4 rows).
-// Named accumulators, not an array: GCC kept an __m256 acc[R][2] on the stack as well, storing
-// all 12 every k (and, inlined into the panel loop for bf16, FMAs from memory): 40-60% of this
-// loop's speed.
+// out's columns [c0, c0 + cols): vec.h's rows_x16_fma (a bf16 panel's widening needs one more
+// register than its 6 rows leave: it takes at most 4 rows).
 template <int R, typename P, typename O>
 void panel_rows(const float* xf, int64_t k, const P* panel, const float* bias16, O* out,
                 int64_t n, int64_t r0, int64_t c0, int64_t cols) {
-  static_assert(R >= 1 && R <= 6, "at most 6 rows per pass (16 ymm registers)");
-  const __m256 zero = _mm256_setzero_ps();
-  __m256 a00 = zero, a01 = zero, a10 = zero, a11 = zero, a20 = zero, a21 = zero;
-  __m256 a30 = zero, a31 = zero, a40 = zero, a41 = zero, a50 = zero, a51 = zero;
-  const float* xr = xf + r0 * k;
-  for (int64_t kk = 0; kk < k; ++kk, panel += kPanelCols) {
-    const __m256 w0 = widen8(panel), w1 = widen8(panel + 8);
-#define PDSERVE_ROW_FMA(r, lo, hi)                                 \
-  if constexpr (R > r) {                                           \
-    const __m256 xv = _mm256_broadcast_ss(xr + r * k + kk);        \
-    lo = _mm256_fmadd_ps(xv, w0, lo);                              \
-    hi = _mm256_fmadd_ps(xv, w1, hi);                              \
-  }
-    PDSERVE_ROW_FMA(0, a00, a01)
-    PDSERVE_ROW_FMA(1, a10, a11)
-    PDSERVE_ROW_FMA(2, a20, a21)
-    PDSERVE_ROW_FMA(3, a30, a31)
-    PDSERVE_ROW_FMA(4, a40, a41)
-    PDSERVE_ROW_FMA(5, a50, a51)
-#undef PDSERVE_ROW_FMA
-  }
-  const __m256 b0 = _mm256_loadu_ps(bias16), b1 = _mm256_loadu_ps(bias16 + 8);
   const int lo_lanes = static_cast<int>(std::min<int64_t>(8, cols));
-  auto store_row = [&](int r, __m256 lo, __m256 hi) {
-    O* o = out + (r0 + r) * n + c0;
-    store8(o, _mm256_add_ps(lo, b0), lo_lanes);
-    if (cols > 8) store8(o + 8, _mm256_add_ps(hi, b1), static_cast<int>(cols - 8));
-  };
-  store_row(0, a00, a01);
-  if constexpr (R > 1) store_row(1, a10, a11);
-  if constexpr (R > 2) store_row(2, a20, a21);
-  if constexpr (R > 3) store_row(3, a30, a31);
-  if constexpr (R > 4) store_row(4, a40, a41);
-  if constexpr (R > 5) store_row(5, a50, a51);
+  const float* xr = xf + r0 * k;
+  rows_x16_fma<R>(
+      k, [&](int, __m256& lo, __m256& hi) { lo = hi = _mm256_setzero_ps(); },
+      [&](int64_t kk, __m256& w0, __m256& w1) {
+        w0 = widen8(panel + kk * kPanelCols);
+        w1 = widen8(panel + kk * kPanelCols + 8);
+      },
+      [&](int r, int64_t kk) { return xr + r * k + kk; },
+      [&](int r, __m256 lo, __m256 hi) {
+        // The bias is loaded here, not before the loop: every ymm register is taken in it.
+        O* o = out + (r0 + r) * n + c0;
+        store8(o, _mm256_add_ps(lo, _mm256_loadu_ps(bias16)), lo_lanes);
+        if (cols > 8)
+          store8(o + 8, _mm256_add_ps(hi, _mm256_loadu_ps(bias16 + 8)), static_cast<int>(cols - 8));
+      });
 }
 
 // All m rows times one panel, Block rows per pass, the rest in one shorter pass.
@@ -149,34 +128,40 @@ void panel_all_rows(const float* xf, int64_t m, int64_t k, const P* panel, const
   }
 }
 
-// Rows at or above which a bf16 panel is widened to float once (K x 16 floats, at most 96 KiB,
-// in L2) and the 6-row loop passes over that: at 48 rows 1.5x the 4-row loop on the bf16
-// panel, whose every pass widens again.
-constexpr int64_t kWidenPanelRows = 12;
+// Rows at or above which a panel is first copied into a per-thread float buffer (bf16: widened;
+// K x 16 floats, at most 96 KiB, in L2) and the 6-row loop passes over that copy. bf16: at 48
+// rows 1.5x the 4-row loop on the bf16 panel, whose every pass widens again. float32: at 48
+// rows 125 -> 70 ms a SmolLM2 step of projections (0.73x -> 1.37x oneDNN), at 16 43 -> 36 ms:
+// passes over the weight where it lies ran at half the speed of passes over the copy (the
+// first, from memory, is latency-bound line by line); at 7-11 rows the copy cost more than it
+// saved (8 rows: 21 vs 26 ms).
+constexpr int64_t kCopyPanelRows = 12;
 
 // Panels [p0, p1) for all m rows.
 template <typename W>
 void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, int64_t n,
                         const W* bias, W* out, int64_t p0, int64_t p1) {
   alignas(32) float bias16[kPanelCols];
-  std::vector<float> wide;
+  // The widened panel: one buffer per thread, kept across calls (a decode step makes ~240).
+  static thread_local std::vector<float> wide;
   constexpr bool kBf16 = std::is_same_v<W, c10::BFloat16>;
-  if (kBf16 && m >= kWidenPanelRows) wide.resize(k * kPanelCols);
+  const bool copy = m >= kCopyPanelRows;
+  if (copy && static_cast<int64_t>(wide.size()) < k * kPanelCols) wide.resize(k * kPanelCols);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
     for (int64_t c = 0; c < kPanelCols; ++c)
       bias16[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
     const W* panel = packed + p * k * kPanelCols;
-    if constexpr (kBf16) {
-      if (m < kWidenPanelRows) {
-        panel_all_rows<4>(xf, m, k, panel, bias16, out, n, c0, cols);
-        continue;
-      }
-      for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
-      panel_all_rows<6>(xf, m, k, wide.data(), bias16, out, n, c0, cols);
-    } else {
-      panel_all_rows<6>(xf, m, k, panel, bias16, out, n, c0, cols);
+    if (!copy) {
+      panel_all_rows<kBf16 ? 4 : 6>(xf, m, k, panel, bias16, out, n, c0, cols);
+      continue;
     }
+    if constexpr (kBf16) {
+      for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
+    } else {
+      std::memcpy(wide.data(), panel, k * kPanelCols * sizeof(float));
+    }
+    panel_all_rows<6>(xf, m, k, wide.data(), bias16, out, n, c0, cols);
   }
 }
 

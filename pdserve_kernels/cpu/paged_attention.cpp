@@ -209,20 +209,7 @@ void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t f
     }
     start += n;
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax over the len scores, per query head
-    float* sc = scores + g * stride;
-    float m = sc[0];
-    for (int64_t p = 1; p < len; ++p) m = std::max(m, sc[p]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t p = 0; p < len; ++p) {
-      sc[p] = expf(sc[p] - m);  // libmvec under -ffast-math
-      sum += sc[p];
-    }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t p = 0; p < len; ++p) sc[p] *= inv;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax8(scores + g * stride, len);  // per query head
   for (int64_t start = first; start < seq_len;) {
     const int64_t n = std::min(block_size - start % block_size, seq_len - start);
     const float* v = as_float(rows_of(start, 1), n);

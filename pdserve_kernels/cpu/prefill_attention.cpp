@@ -248,21 +248,17 @@ constexpr int kAvx2Rows = 6;
 template <int kD, int R>
 inline void scores_rows_avx2(const float* q, const float* kt, float* s) {
   for (int c0 = 0; c0 < kKeyTile; c0 += 16) {
-    __m256 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int i = 0; i < kD; ++i) {
-      const float* k = kt + i * kKeyTile + c0;
-      const __m256 k0 = _mm256_loadu_ps(k), k1 = _mm256_loadu_ps(k + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_broadcast_ss(q + r * kD + i);
-        a[r][0] = _mm256_fmadd_ps(b, k0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(b, k1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(s + r * kKeyTile + c0, a[r][0]);
-      _mm256_storeu_ps(s + r * kKeyTile + c0 + 8, a[r][1]);
-    }
+    rows_x16_fma<R>(
+        kD, [](int, __m256& lo, __m256& hi) { lo = hi = _mm256_setzero_ps(); },
+        [&](int64_t i, __m256& k0, __m256& k1) {
+          k0 = _mm256_loadu_ps(kt + i * kKeyTile + c0);
+          k1 = _mm256_loadu_ps(kt + i * kKeyTile + c0 + 8);
+        },
+        [&](int r, int64_t i) { return q + r * kD + i; },
+        [&](int r, __m256 lo, __m256 hi) {
+          _mm256_storeu_ps(s + r * kKeyTile + c0, lo);
+          _mm256_storeu_ps(s + r * kKeyTile + c0 + 8, hi);
+        });
   }
 }
 
@@ -270,24 +266,22 @@ template <int kD, int R>
 inline void accumulate_rows_avx2(float* acc, const float* rescale, const float* p,
                                  const float* v, int64_t nk) {
   for (int d0 = 0; d0 < kD; d0 += 16) {
-    __m256 a[R][2];
-    for (int r = 0; r < R; ++r) {
-      const __m256 f = _mm256_broadcast_ss(rescale + r);
-      a[r][0] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0), f);
-      a[r][1] = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0 + 8), f);
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * kD + d0), v1 = _mm256_loadu_ps(v + j * kD + d0 + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 b = _mm256_broadcast_ss(p + r * kKeyTile + j);
-        a[r][0] = _mm256_fmadd_ps(b, v0, a[r][0]);
-        a[r][1] = _mm256_fmadd_ps(b, v1, a[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * kD + d0, a[r][0]);
-      _mm256_storeu_ps(acc + r * kD + d0 + 8, a[r][1]);
-    }
+    rows_x16_fma<R>(
+        nk,
+        [&](int r, __m256& lo, __m256& hi) {
+          const __m256 f = _mm256_broadcast_ss(rescale + r);
+          lo = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0), f);
+          hi = _mm256_mul_ps(_mm256_loadu_ps(acc + r * kD + d0 + 8), f);
+        },
+        [&](int64_t j, __m256& v0, __m256& v1) {
+          v0 = _mm256_loadu_ps(v + j * kD + d0);
+          v1 = _mm256_loadu_ps(v + j * kD + d0 + 8);
+        },
+        [&](int r, int64_t j) { return p + r * kKeyTile + j; },
+        [&](int r, __m256 lo, __m256 hi) {
+          _mm256_storeu_ps(acc + r * kD + d0, lo);
+          _mm256_storeu_ps(acc + r * kD + d0 + 8, hi);
+        });
   }
 }
 

@@ -45,6 +45,15 @@ inline float to_float(c10::BFloat16 x) {
   return f;
 }
 
+// exp(x) = 2^n e^r, n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts, so r stays exact),
+// e^r by Cephes' expf polynomial: the constants exp16 and exp8 share.
+namespace exp_poly {
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
+                kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+}  // namespace exp_poly
+
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 // 16 bf16 values -> 16 floats (bf16 is the top half of an fp32).
@@ -56,17 +65,18 @@ inline __m512 load16(const c10::BFloat16* p) {
 // exp(x), Cephes' polynomial on the reduced argument, 2^n applied by scalef (underflows to ~0
 // below -103, saturates above 88.7).
 inline __m512 exp16(__m512 x) {
+  using namespace exp_poly;
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-103.f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kP0);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kP5));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
   return _mm512_scalef_ps(p, n);
 }
@@ -98,17 +108,18 @@ inline __m512 reduce16(__m512* v) {
 // softmax sum notices). libmvec's expf, which the compiler used before, took a quarter of the
 // prefill attention's time on an AVX2 CPU.
 inline __m256 exp8(__m256 x) {
+  using namespace exp_poly;
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kP0);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kP5));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
@@ -125,6 +136,80 @@ inline float hsum8(__m256 v) {
   __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_add_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+// s[0, n) = softmax(s[0, n)) in place, n >= 1. The lanes up to the next multiple of 8 are read
+// and written too (s must have room for them); what they held does not matter.
+inline void softmax8(float* s, int64_t n) {
+  const int64_t full = n / 8 * 8;
+  const int tail = static_cast<int>(n - full);
+  const __m256i tail_lanes =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(tail), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 top = _mm256_set1_ps(s[0]);
+  for (int64_t i = 0; i < full; i += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + i));
+  if (tail > 0)
+    top = _mm256_max_ps(top, _mm256_blendv_ps(top, _mm256_loadu_ps(s + full),
+                                              _mm256_castsi256_ps(tail_lanes)));
+  const __m256 mx = _mm256_set1_ps(hmax8(top));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < full; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mx));
+    _mm256_storeu_ps(s + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (tail > 0) {
+    const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + full), mx)),
+                                   _mm256_castsi256_ps(tail_lanes));
+    _mm256_storeu_ps(s + full, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / hsum8(sum));
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), inv));
+}
+
+// The broadcast-FMA block of the AVX2 matrix kernels (prefill S = Q K^T and P V, the few-row
+// linear): for R <= 6 rows and 16 columns, n steps of
+//     acc[r][0:16] += x(r, i) * w(i)[0:16]     (x(r, i): a pointer to a float, broadcast)
+// with acc's 12 vectors set by init(r, lo, hi) and handed to done(r, lo, hi), and w(i, w0, w1)
+// loading the 16 columns of step i. 12 accumulators, the two loaded vectors and a broadcast
+// fill the 16 ymm registers. The accumulators are named variables, not an array: GCC kept an
+// __m256 acc[R][2] on the stack as well in one caller, storing all 12 every step (40-60% of
+// the loop's speed).
+template <int R, typename Init, typename W, typename X, typename Done>
+inline void rows_x16_fma(int64_t n, Init&& init, W&& w, X&& x, Done&& done) {
+  static_assert(R >= 1 && R <= 6, "at most 6 rows per pass (16 ymm registers)");
+  const __m256 z = _mm256_setzero_ps();  // rows past R: never used
+  __m256 a00 = z, a01 = z, a10 = z, a11 = z, a20 = z, a21 = z;
+  __m256 a30 = z, a31 = z, a40 = z, a41 = z, a50 = z, a51 = z;
+  init(0, a00, a01);
+  if constexpr (R > 1) init(1, a10, a11);
+  if constexpr (R > 2) init(2, a20, a21);
+  if constexpr (R > 3) init(3, a30, a31);
+  if constexpr (R > 4) init(4, a40, a41);
+  if constexpr (R > 5) init(5, a50, a51);
+  for (int64_t i = 0; i < n; ++i) {
+    __m256 w0, w1;
+    w(i, w0, w1);
+#define PDSERVE_ROW_FMA(r, lo, hi)                      \
+  if constexpr (R > r) {                                \
+    const __m256 xv = _mm256_broadcast_ss(x(r, i));     \
+    lo = _mm256_fmadd_ps(xv, w0, lo);                   \
+    hi = _mm256_fmadd_ps(xv, w1, hi);                   \
+  }
+    PDSERVE_ROW_FMA(0, a00, a01)
+    PDSERVE_ROW_FMA(1, a10, a11)
+    PDSERVE_ROW_FMA(2, a20, a21)
+    PDSERVE_ROW_FMA(3, a30, a31)
+    PDSERVE_ROW_FMA(4, a40, a41)
+    PDSERVE_ROW_FMA(5, a50, a51)
+#undef PDSERVE_ROW_FMA
+  }
+  done(0, a00, a01);
+  if constexpr (R > 1) done(1, a10, a11);
+  if constexpr (R > 2) done(2, a20, a21);
+  if constexpr (R > 3) done(3, a30, a31);
+  if constexpr (R > 4) done(4, a40, a41);
+  if constexpr (R > 5) done(5, a50, a51);
 }
 #endif
 
