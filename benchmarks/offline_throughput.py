@@ -696,13 +696,15 @@ class VllmSession:
             tail = self.log_path.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"vLLM: expected {word}, got {line!r}; log tail:\n{tail}")
 
-    def run(self, index: int) -> dict[str, Any]:
+    def run(self, index: int, cached: bool = False) -> dict[str, Any]:
+        """One run of the workload; cached: over the prefix cache as the runs before left it
+        (else it is reset first)."""
         assert self.proc is not None and self.proc.stdin is not None
         path = self.tmp / f"result_{index}.json"
         # stopped between runs: idle, vLLM still polls (~10% of a core), and on 2 cores a
         # stolen slice stalls every parallel region of the run it would share the cores with
         self._signal(signal.SIGCONT)
-        self.proc.stdin.write(f"RUN {path}\n")
+        self.proc.stdin.write(f"{'CACHED' if cached else 'RUN'} {path}\n")
         self.proc.stdin.flush()
         self._expect("DONE")
         self._signal(signal.SIGSTOP)
