@@ -121,6 +121,32 @@ def test_defaults_pass_only_model_and_log_level() -> None:
     ]  # fmt: skip
 
 
+def _node_budget(serve_flags: list[str], role: str = "decode") -> int:
+    """The step token budget the node of `role` gets from `pdserve serve` with these flags."""
+    args = build_parser().parse_args(["serve", "--model", "m", *serve_flags])
+    argv = serve.node_argv(args, role, 7001, None)
+    return EngineArgs.from_cli_args(build_parser().parse_args(argv)).max_num_batched_tokens
+
+
+def test_token_budget_per_role() -> None:
+    aggregated = serve.AGGREGATED_MAX_NUM_BATCHED_TOKENS
+    assert aggregated < 2048
+    # a decode node that prefills every prompt itself takes the smaller budget by default
+    assert _node_budget(["--num-prefill", "0"]) == aggregated
+    # ... unless told otherwise, by --max-num-batched-tokens (even its engine default) or by
+    # --decode-node-arg (after it: the last flag wins)
+    assert _node_budget(["--num-prefill", "0", "--max-num-batched-tokens", "2048"]) == 2048
+    assert _node_budget(["--num-prefill", "0", "--max-num-batched-tokens", "300"]) == 300
+    flag = "--decode-node-arg=--max-num-batched-tokens=256"
+    assert _node_budget(["--num-prefill", "0", flag]) == 256
+    # without chunked prefill the budget bounds the prompt: the engine's default stays
+    assert _node_budget(["--num-prefill", "0", "--no-enable-chunked-prefill"]) == 2048
+    # prefill nodes and the decode nodes they feed keep the engine's default
+    assert _node_budget([]) == 2048
+    assert _node_budget([], role="prefill") == 2048
+    assert _node_budget(["--max-num-batched-tokens", "4096"], role="prefill") == 4096
+
+
 class _Process:
     pid = 0
 
