@@ -142,7 +142,7 @@ template <typename W>
 void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, int64_t n,
                         const W* bias, W* out, int64_t p0, int64_t p1) {
   alignas(32) float bias16[kPanelCols];
-  // The widened panel: one buffer per thread, kept across calls (a decode step makes ~240).
+  // The panel's float copy: one buffer per thread, kept across calls (a decode step makes ~240).
   static thread_local std::vector<float> wide;
   constexpr bool kBf16 = std::is_same_v<W, c10::BFloat16>;
   const bool copy = m >= kCopyPanelRows;
