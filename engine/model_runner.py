@@ -60,7 +60,9 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * itemsize
     if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-    region = mmap.mmap(-1, nbytes)  # anonymous: zero pages on first touch
+    # anonymous: zero pages on first touch; private: a shared anonymous mapping (mmap's default)
+    # is shmem, which takes huge pages only where shmem_enabled allows (here: never)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # transparent huge pages off ("never"): 4 KiB pages
