@@ -73,7 +73,8 @@ def _budget_per_role(p: argparse.ArgumentParser) -> None:
             action.default = argparse.SUPPRESS
             action.help = (
                 f"{action.help} (default: {AGGREGATED_MAX_NUM_BATCHED_TOKENS} on decode nodes "
-                f"when --num-prefill is 0, else {SchedulerConfig.max_num_batched_tokens})"
+                "when --num-prefill is 0 and chunked prefill is on, else "
+                f"{SchedulerConfig.max_num_batched_tokens})"
             )
 
 
