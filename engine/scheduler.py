@@ -3,7 +3,8 @@
 Every step gives each request a number of tokens to compute: a decode is 1 token (+ its
 speculative tokens), a prompt is as many as the budget allows (chunked prefill); there are no
 prefill/decode phases, only num_computed_tokens catching up with num_tokens. Running requests
-go first, then waiting ones with what is left of the budget. When KV blocks run out, the
+go first (their known tokens, then their speculative ones from what is left), then waiting ones
+with what is left of the budget. When KV blocks run out, the
 lowest-priority running request is preempted (its blocks freed; it later recomputes).
 
 No I/O and no torch here: schedule() returns plain data, update_from_output() folds results in.
@@ -106,13 +107,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
                 continue
-            num_known = min(num_new, request.num_tokens - request.num_computed_tokens)
-            if num_new > num_known and self._reserve_speculative(request, num_known, num_new):
-                scheduled[request.request_id] = num_new
-                budget -= num_new
-                continue
-            num_new = num_known
-            while self.kv.allocate_slots(request, num_known) is None:
+            while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()  # never None: request itself is running
                 assert victim is not None
                 budget += scheduled.get(victim.request_id, 0)
@@ -122,16 +117,29 @@ class Scheduler:
             else:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
-        return budget
+        return self._schedule_drafts(budget, scheduled)
 
-    def _reserve_speculative(self, request: Request, num_known: int, num_new: int) -> bool:
-        """Reserve slots for a running request's known tokens and its speculative ones. With
-        no room, drop the speculative tokens and return False: they never cost a preemption."""
-        num_spec = num_new - num_known
-        if self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is not None:
-            return True
-        request.spec_token_ids = []
-        return False
+    def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> int:
+        """Add speculative tokens to running requests that sample this step, from what their
+        known tokens left of the budget: a draft never takes a request's plain step away.
+        Drafts that find no budget or no free block are dropped (never a preemption)."""
+        for request in self.running:
+            if not request.spec_token_ids:
+                continue
+            num_known = scheduled.get(request.request_id, 0)
+            room = self.max_model_len - request.num_computed_tokens - num_known
+            num_spec = min(len(request.spec_token_ids), budget, room)
+            samples = (
+                num_known > 0 and num_known == request.num_tokens - request.num_computed_tokens
+            )
+            if not samples or num_spec <= 0:
+                continue
+            if self.kv.allocate_slots(request, num_known, num_lookahead_tokens=num_spec) is None:
+                request.spec_token_ids = []
+                continue
+            scheduled[request.request_id] = num_known + num_spec
+            budget -= num_spec
+        return budget
 
     def _schedule_waiting(
         self, budget: int, scheduled: dict[str, int], remote: list[RemotePrefill]
@@ -252,7 +260,8 @@ class Scheduler:
         self.running.append(request)
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        num_new = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        """The request's known tokens (prompt or last sampled) that this step can compute."""
+        num_new = request.num_tokens - request.num_computed_tokens
         return max(min(num_new, budget, self.max_model_len - request.num_computed_tokens), 0)
 
     def _pick_victim(self) -> Request | None:

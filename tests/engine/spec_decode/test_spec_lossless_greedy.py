@@ -73,7 +73,8 @@ def test_ngram(tiny_llama, expected):
     llm = LLM(**engine_args(tiny_llama), speculative_config={"method": "ngram", **ALWAYS})
     check_lossless(llm, expected)
     stats = llm.engine.spec_stats
-    assert stats.num_drafts > 20 and stats.num_accepted_tokens > 10
+    # Budget 64: steps that carry a running prompt's chunk leave drafts little or nothing.
+    assert stats.num_drafts > 10 and stats.num_accepted_tokens > 10
 
 
 def test_ngram_with_the_default_policy(tiny_llama, expected):

@@ -91,6 +91,28 @@ def test_budget_truncates_drafts():
     assert out.num_batched_tokens == 3
 
 
+def test_drafts_never_take_a_plain_decode_step():
+    # budget 4, two decoding requests with 3 drafts each: both decode, drafts get the rest
+    s = make(num_blocks=20, block_size=4, budget=64)
+    a = req("a", 4, max_tokens=20, t=0)
+    b = req("b", 4, max_tokens=20, t=1)
+    s.add_request(a)
+    s.add_request(b)
+    run(s)
+    s.config = type(s.config)(max_num_seqs=8, max_num_batched_tokens=4)
+    a.spec_token_ids = [8, 9, 10]
+    b.spec_token_ids = [11, 12, 13]
+    out = s.schedule()
+    chunks = {c.request_id: c for c in out.chunks}
+    assert chunks["a"].token_ids == [7, 8, 9] and chunks["a"].num_spec_tokens == 2
+    assert chunks["b"].token_ids == [7] and chunks["b"].num_spec_tokens == 0
+    assert out.num_batched_tokens == 4
+    # the step folds back as usual: a accepts one draft, b samples its next token
+    s.update_from_output(out, {"a": SampledTokens([8, 5]), "b": SampledTokens([6])})
+    assert a.output_token_ids == [7, 8, 5] and b.output_token_ids == [7, 6]
+    assert a.num_computed_tokens == 6 and b.num_computed_tokens == 5
+
+
 def test_drafts_without_room_are_dropped_instead_of_preempting():
     # 3 usable blocks: a (prompt 3) holds block 1, b (prompt 7) holds 2 and 3
     s = make(num_blocks=4, block_size=4, budget=64, caching=False)
