@@ -1,10 +1,16 @@
-"""The pool of KV blocks: free queue in eviction order, reference counts, hash -> block map.
+"""The pool of KV blocks: free blocks in allocation order, reference counts, hash -> block map.
 
 Invariants:
 - Block 0 is the null block: never handed out, never freed, pads block tables.
-- A block is in the free queue iff its ref_cnt is 0. The queue's front is evicted first.
+- A block is free iff its ref_cnt is 0. A free block with a hash sits in the cached queue
+  (front evicted first); a free block without one sits in the empty stack.
 - A block with a hash is in the hash map; it keeps its hash (and can be reused by a later
-  request) while it sits in the free queue, until it is handed out again (evicted).
+  request) while it is free, until it is handed out again (evicted).
+- Allocation takes empty blocks first, the most recently freed first (then never-used ones,
+  lowest id first), and evicts cached blocks only when no empty block is left. So cached
+  prefixes live as long as the pool allows, and the memory a new block brings is the memory
+  used last: warm in the caches, and already faulted in (the cache tensor's pages are mapped
+  lazily; a never-touched page costs a page fault, which in a VM is a host fault too).
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # permanently held
-        # block_id -> block, in eviction order (front = least recently freed).
-        self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
+        # Free blocks without a hash; popped from the end (so block 1 comes first at start).
+        self._empty: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in reversed(self.blocks[1:])
         )
+        # Free blocks with a hash, in eviction order (front = least recently freed).
+        self._cached_free: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVCacheBlock] = {}
 
     # -- queries -----------------------------------------------------------------------------
@@ -54,16 +62,16 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free, cached or not)."""
-        return len(self._free)
+        return len(self._empty) + len(self._cached_free)
 
     @property
     def usage(self) -> float:
         """Fraction of allocatable blocks held by requests (cached free blocks count as free)."""
-        return 1.0 - len(self._free) / (self.num_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def free_block_ids(self) -> list[int]:
-        """Ids in eviction order (for tests and debugging)."""
-        return list(self._free)
+        """Free ids in the order get_new_blocks hands them out (for tests and debugging)."""
+        return list(reversed(self._empty)) + list(self._cached_free)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -71,29 +79,35 @@ class BlockPool:
     # -- allocation ----------------------------------------------------------------------------
 
     def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
-        """Take n blocks from the front of the free queue (ref_cnt 1 each), evicting their
-        cached hashes. Raises ValueError if fewer than n are free; check first."""
-        if n > len(self._free):
-            raise ValueError(f"cannot allocate {n} blocks, only {len(self._free)} free")
+        """Take n free blocks (ref_cnt 1 each): empty ones first, most recently freed first,
+        then cached ones least recently freed first, evicting their hashes. Raises ValueError
+        if fewer than n are free; check first."""
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            if self._empty:
+                _, block = self._empty.popitem(last=True)
+            else:
+                _, block = self._cached_free.popitem(last=False)
+                self._evict(block)
             block.ref_cnt = 1
             out.append(block)
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on cached blocks being reused (removing them from the free queue)."""
+        """Take a reference on cached blocks being reused (removing them from the free set)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if self._cached_free.pop(block.block_id, None) is None:
+                    del self._empty[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference on each block, in the given order; a block reaching 0 goes to the
-        back of the free queue (so pass a request's blocks tail-first: its last blocks, least
-        likely to be shared, are then evicted first)."""
+        """Drop one reference on each block, in the given order. A block reaching 0 goes to
+        the back of the cached queue if it holds a hash (so pass a request's blocks
+        tail-first: its last blocks, least likely to be shared, are then evicted first), else
+        on top of the empty stack (handed out next)."""
         for block in blocks:
             if block is self.null_block:
                 continue
@@ -101,7 +115,10 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {block.block_id}")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self._free[block.block_id] = block
+                if block.block_hash is None:
+                    self._empty[block.block_id] = block
+                else:
+                    self._cached_free[block.block_id] = block
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> KVCacheBlock:
         """Register a full block under its hash. If another block already holds this hash (two
@@ -117,11 +134,14 @@ class BlockPool:
         return block
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash; only possible when no block is in use."""
-        if len(self._free) != self.num_blocks - 1:
+        """Forget every cached hash; only possible when no block is in use. The blocks that
+        held cached content go on top of the empty stack (least recently freed deepest)."""
+        if self.num_free_blocks != self.num_blocks - 1:
             return False
-        for block in self.blocks[1:]:
+        for block in self._cached_free.values():
             block.block_hash = None
+            self._empty[block.block_id] = block
+        self._cached_free.clear()
         self._cached.clear()
         return True
 

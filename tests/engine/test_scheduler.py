@@ -112,8 +112,9 @@ def test_preemption_by_recompute_and_resume():
     assert len(resumed_tokens) == 13  # 8 prompt + 5 generated before preemption
     out, _ = run(s)
     assert sizes(out) == {"b": 13} and out.chunks[0].token_ids == resumed_tokens
-    # free queue after a finished (tail first: 4 6 5 2 1) behind the 3 b left: 3 4 6 5 2 1
-    assert out.chunks[0].samples and s.kv.get_block_ids("b") == [3, 4, 6, 5]
+    # b's preemption freed 6 4 3 (tail first; a then took 3), a's end freed 3 5 2 1: the
+    # last freed is handed out first
+    assert out.chunks[0].samples and s.kv.get_block_ids("b") == [1, 2, 5, 3]
 
 
 def test_preemption_returns_budget_and_reports_ids():

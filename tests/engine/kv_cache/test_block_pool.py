@@ -16,14 +16,40 @@ def test_null_block_is_never_handed_out():
         pool.get_new_blocks(1)
 
 
-def test_free_queue_order_follows_free_order():
+def test_freed_empty_blocks_are_handed_out_again_first():
     pool = BlockPool(6)
     a = pool.get_new_blocks(3)  # 1 2 3
     assert pool.free_block_ids() == [4, 5]
-    pool.free_blocks(reversed(a))  # tail first: 3 2 1 appended
-    assert pool.free_block_ids() == [4, 5, 3, 2, 1]
+    pool.free_blocks(reversed(a))  # tail first: 3 2 1 pushed, 1 on top
+    assert pool.free_block_ids() == [1, 2, 3, 4, 5]
     assert all(b.ref_cnt == 0 for b in a)
-    assert ids(pool.get_new_blocks(3)) == [4, 5, 3]
+    (b,) = pool.get_new_blocks(1)
+    pool.free_blocks([b])
+    assert ids(pool.get_new_blocks(3)) == [1, 2, 3]  # the used ones before the never-used 4 5
+
+
+def test_cached_blocks_are_evicted_only_when_no_empty_block_is_left():
+    pool = BlockPool(5)
+    a, b = pool.get_new_blocks(2)  # 1 2
+    pool.cache_block(a, b"a")
+    pool.free_blocks([b, a])  # b (no hash) on the empty stack, a to the cached queue
+    assert pool.free_block_ids() == [2, 3, 4, 1]
+    assert ids(pool.get_new_blocks(3)) == [2, 3, 4] and pool.get_cached_block(b"a") is a
+    (taken,) = pool.get_new_blocks(1)
+    assert taken is a and a.block_hash is None and pool.get_cached_block(b"a") is None
+
+
+def test_reset_prefix_cache_puts_the_used_blocks_first():
+    pool = BlockPool(6)
+    a = pool.get_new_blocks(2)  # 1 2
+    for i, block in enumerate(a):
+        pool.cache_block(block, bytes([i]))
+    assert not pool.reset_prefix_cache()  # blocks in use
+    pool.free_blocks(reversed(a))
+    assert pool.free_block_ids() == [3, 4, 5, 2, 1]
+    assert pool.reset_prefix_cache()
+    assert pool.free_block_ids() == [1, 2, 3, 4, 5] and pool.get_cached_block(b"\x00") is None
+    assert all(b.block_hash is None for b in a)
 
 
 def test_ref_counts_and_touch():

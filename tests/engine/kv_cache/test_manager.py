@@ -14,8 +14,8 @@ def test_allocate_exact_blocks_and_free_tail_first():
     r.num_computed_tokens = 10
     assert kv.allocate_slots(r, 2) == []  # positions 10, 11 fit in block 3
     assert [b.block_id for b in kv.allocate_slots(r, 3)] == [4]  # 13 tokens -> 4 blocks
-    kv.free(r)
-    assert kv.pool.free_block_ids() == [5, 6, 7, 4, 3, 2, 1]
+    kv.free(r)  # tail first: 4 3 2 1 pushed, handed out again before the never-used 5 6 7
+    assert kv.pool.free_block_ids() == [1, 2, 3, 4, 5, 6, 7]
     assert kv.get_block_ids("a") == []
 
 
@@ -41,8 +41,9 @@ def test_prefix_hit_shares_blocks_and_never_serves_last_token():
     kv.free(a)
     kv.free(b)
     assert [kv.pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [0, 0, 0, 0]
-    # a freed 3 (1, 2 still held by b); b then freed 4, 2, 1 tail first
-    assert kv.pool.free_block_ids()[-4:] == [3, 4, 2, 1]
+    # a freed 3 (1, 2 still held by b); b then freed 4, 2, 1 tail first. 4 is b's private
+    # copy of a's block 3 (no hash): it goes first, the cached blocks last, in free order
+    assert kv.pool.free_block_ids() == [4, 5, 6, 7, 8, 9, 3, 2, 1]
 
 
 def test_cached_free_blocks_are_reused_after_free_and_counted():

@@ -26,16 +26,16 @@ def test_rejected_drafts_blocks_are_freed_tail_first():
     # tokens: 4 prompt + [7 8 9 20] = 8, computed 7; position 7 (20) is in block 2
     assert r.num_tokens == 8 and r.num_computed_tokens == 7
     assert s.kv.get_block_ids("a") == [1, 2] and s.kv.num_free_blocks == 17
-    assert s.kv.pool.free_block_ids()[-1] == 3
-    # all rejected: only the correction's position 8 is new -> block 3's successor (front)
+    assert s.kv.pool.free_block_ids()[0] == 3  # freed (no hash): handed out next
+    # all rejected: only the correction's position 8 is new -> block 3 again
     r.spec_token_ids = [1, 2, 3]
     out = s.schedule()
     assert out.chunks[0].token_ids == [20, 1, 2, 3] and out.chunks[0].start_pos == 7
-    assert out.chunks[0].block_ids == [1, 2, 4]  # positions 8..10: block 4 from the front
+    assert out.chunks[0].block_ids == [1, 2, 3]  # positions 8..10
     s.update_from_output(out, {"a": SampledTokens([21])})
-    assert r.num_tokens == 9 and s.kv.get_block_ids("a") == [1, 2, 4]
+    assert r.num_tokens == 9 and s.kv.get_block_ids("a") == [1, 2, 3]
     s.update_from_output(s.schedule(), {"a": SampledTokens([22])})  # plain step: no trim
-    assert s.kv.get_block_ids("a") == [1, 2, 4] and s.kv.num_free_blocks == 16
+    assert s.kv.get_block_ids("a") == [1, 2, 3] and s.kv.num_free_blocks == 16
 
 
 def test_all_accepted_keeps_exactly_the_blocks_the_tokens_need():
