@@ -185,6 +185,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     kv_cache_dtype: str = CacheConfig.kv_cache_dtype
     enable_prefix_caching: bool = CacheConfig.enable_prefix_caching
+    kv_cache_prefault: bool = CacheConfig.kv_cache_prefault
     max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     scheduling_policy: str = SchedulerConfig.policy
@@ -257,6 +258,7 @@ class EngineArgs:
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 kv_cache_dtype=self.kv_cache_dtype,
                 enable_prefix_caching=self.enable_prefix_caching,
+                kv_cache_prefault=self.kv_cache_prefault,
             ),
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

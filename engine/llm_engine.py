@@ -10,6 +10,7 @@ folded back after the update (engine/spec_decode/speculator.py).
 from __future__ import annotations
 
 import logging
+import os
 import random
 import threading
 import time
@@ -39,7 +40,12 @@ from pdserve.engine.kv_block_io import KVBlockIO
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.lora.request import LoRARequest
-from pdserve.engine.model_runner import ModelRunner, PromptLogprobsTask, kv_block_bytes
+from pdserve.engine.model_runner import (
+    ModelRunner,
+    PromptLogprobsTask,
+    kv_block_bytes,
+    prefault_in_background,
+)
 from pdserve.engine.models import gguf
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.loader import ModelArch, load_model, parse_model_arch
@@ -186,6 +192,13 @@ class LLMEngine:
             attention=attention,
             device=self.device,
         )
+        self._prefault = None
+        if (
+            self.device.type == "cpu"
+            and self.cache_config.kv_cache_prefault
+            and os.environ.get("PDSERVE_KV_CACHE_PREFAULT", "1") != "0"
+        ):
+            self._prefault = prefault_in_background(self.runner.kv_cache)
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self._capture_decode_graphs()
         if self.tp is not None:

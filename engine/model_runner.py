@@ -9,8 +9,13 @@ chunk's speculative tokens with the rejection sampler.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import mmap
+import os
+import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -71,6 +76,62 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 _HUGE_PAGE = 2 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
+
+logger = logging.getLogger(__name__)
+
+
+def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
+    """Fault in the pages of a lazily mapped cache [num_layers, num_blocks, ...] from a daemon
+    thread at idle priority (SCHED_IDLE: it runs only on a core nothing else wants), lowest
+    block ids first in every layer (the order the block pool hands never-used blocks out).
+    A first touch of never-used memory costs a page fault, and in a VM a host fault too (4 GiB
+    touched for the first time here: 6.5 s; the same pages again: 0.25 s); without this, the
+    steps that first store K/V into a block pay it. madvise(MADV_POPULATE_WRITE) maps pages
+    without changing what they hold, so blocks in use meanwhile are safe. The thread holds
+    only a weak reference and stops once the cache is freed (or the kernel lacks the advice).
+    Returns the thread, or None where it cannot run (not Linux, no SCHED_IDLE)."""
+    if not hasattr(os, "SCHED_IDLE") or cache.dim() < 2:
+        return None
+    if cache.numel() * cache.element_size() < _HUGE_PAGE:
+        return None  # zeroed_lazily wrote it already
+    ref = weakref.ref(cache)
+    base = cache.data_ptr()
+    item = cache.element_size()
+    layer_bytes, block_bytes = cache.stride(0) * item, cache.stride(1) * item
+    num_layers, num_blocks = cache.shape[0], cache.shape[1]
+    chunk = max(1, _HUGE_PAGE // block_bytes)  # blocks per call: >= 2 MiB of each layer
+    page = mmap.PAGESIZE
+
+    def run() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
+        except OSError:
+            return  # at normal priority it would compete with the steps it is meant to help
+        madvise = ctypes.CDLL(None, use_errno=True).madvise  # releases the GIL
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        t0 = time.perf_counter()
+        for start in range(0, num_blocks, chunk):
+            if ref() is None:
+                return
+            stop = min(start + chunk, num_blocks)
+            for layer in range(num_layers):
+                lo = base + layer * layer_bytes + start * block_bytes
+                hi = base + layer * layer_bytes + stop * block_bytes
+                lo -= lo % page
+                if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+                    err = ctypes.get_errno()
+                    logger.debug("KV cache prefault stopped: %s", os.strerror(err))
+                    return
+        logger.info(
+            "KV cache pages faulted in: %.2f GiB in %.1f s (idle priority)",
+            num_layers * layer_bytes / 2**30,
+            time.perf_counter() - t0,
+        )
+
+    thread = threading.Thread(target=run, name="kv-prefault", daemon=True)
+    thread.start()
+    return thread
 
 
 PROMPT_LOGPROBS_ROWS = 256

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 
 from pdserve.make_model import make_model
+
+# Engines made by tests (and the servers they start) leave their KV caches mapped lazily: the
+# background prefault would commit each default 4 GiB cache, and a test process holds several.
+os.environ.setdefault("PDSERVE_KV_CACHE_PREFAULT", "0")
 
 
 @pytest.fixture(scope="session")

@@ -41,6 +41,8 @@ ENGINE_FLAGS = [
     "--kv-cache-dtype",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
+    "--kv-cache-prefault",  # ours
+    "--no-kv-cache-prefault",
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--scheduling-policy",

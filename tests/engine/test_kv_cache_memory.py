@@ -1,19 +1,24 @@
-"""The CPU KV cache's memory (engine/model_runner.zeroed_lazily): zeros, writable, and on
-transparent huge pages where the kernel offers them for madvise'd memory."""
+"""The CPU KV cache's memory (engine/model_runner.zeroed_lazily): zeros, writable, on
+transparent huge pages where the kernel offers them for madvise'd memory, and faulted in by a
+background thread (prefault_in_background) without a byte of it changing."""
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
+import pytest
 import torch
 
-from pdserve.engine.model_runner import zeroed_lazily
+from pdserve.engine import LLM
+from pdserve.engine.model_runner import prefault_in_background, zeroed_lazily
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping of this process that holds address."""
+def _anon_huge_kib(address: int, field: str = "AnonHugePages:") -> int:
+    """AnonHugePages (or another smaps field, KiB) of the mapping of this process that holds
+    address."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     inside = False
     for line in lines:
@@ -21,7 +26,7 @@ def _anon_huge_kib(address: int) -> int:
         if "-" in head and all(c in "0123456789abcdef-" for c in head):
             lo, hi = (int(v, 16) for v in head.split("-"))
             inside = lo <= address < hi
-        elif inside and line.startswith("AnonHugePages:"):
+        elif inside and line.startswith(field):
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
 
@@ -45,3 +50,45 @@ def test_large_cache_is_zero_writable_and_on_huge_pages() -> None:
         # a shared anonymous mapping (Python mmap's default) is shmem and got no huge pages
         # here: the cache must be a private mapping
         assert _anon_huge_kib(cache.data_ptr()) >= 2048, f"no huge pages (THP: {mode.strip()})"
+
+
+def test_prefault_maps_every_page_and_changes_nothing() -> None:
+    shape = (3, 64, 2, 4, 16, 64)  # layers, blocks, K/V, heads, slots, dims: 12 MiB float32
+    total_kib = 3 * 64 * 2 * 4 * 16 * 64 * 4 // 1024
+    cache = zeroed_lazily(shape, torch.float32)
+    cache[1, 5].fill_(3.0)  # blocks in use while the thread runs keep their contents
+    cache[2, 63].fill_(-1.0)
+    assert _anon_huge_kib(cache.data_ptr(), "Rss:") < total_kib
+    thread = prefault_in_background(cache)
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _anon_huge_kib(cache.data_ptr(), "Rss:") >= total_kib
+    expected = torch.zeros(shape)
+    expected[1, 5] = 3.0
+    expected[2, 63] = -1.0
+    assert torch.equal(cache, expected)
+
+
+def test_prefault_stops_once_the_cache_is_freed() -> None:
+    cache = zeroed_lazily((2, 1024, 256 * 1024), torch.float32)  # 2 GiB, never touched
+    thread = prefault_in_background(cache)
+    assert thread is not None
+    del cache
+    gc.collect()
+    thread.join(timeout=30)  # a whole 2 GiB would take seconds here; one chunk, milliseconds
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize(("flag", "env", "runs"), [(True, "1", True), (True, "0", False),
+                                                    (False, "1", False)])  # fmt: skip
+def test_engine_prefaults_unless_told_not_to(tiny_llama, monkeypatch, flag, env, runs) -> None:
+    monkeypatch.setenv("PDSERVE_KV_CACHE_PREFAULT", env)  # tests/conftest.py sets 0
+    llm = LLM(model=tiny_llama, dtype="float32", num_blocks=1024, kv_cache_prefault=flag)
+    thread = llm.engine._prefault
+    assert (thread is not None) == runs
+    if thread is not None:
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        cache = llm.engine.runner.kv_cache
+        assert _anon_huge_kib(cache.data_ptr(), "Rss:") * 1024 >= cache.numel() * 4
