@@ -202,7 +202,9 @@ class LLMEngine:
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self._capture_decode_graphs()
         if self.tp is not None:
-            self.tp.start_workers(self.num_blocks, self.cache_config.block_size)
+            self.tp.start_workers(
+                self.num_blocks, self.cache_config.block_size, self._prefault is not None
+            )
             self.runner.tp = self.tp
         self._kv_blocks = KVBlockIO(self.runner.kv_cache, self.tp, arch.num_kv_heads)
         self.stats = EngineStats()

@@ -230,9 +230,10 @@ class TensorParallelGroup:
         self._closed = False
         atexit.register(self.close)
 
-    def start_workers(self, num_blocks: int, block_size: int) -> None:
-        """Tell the workers the KV cache to allocate (known once rank 0 has sized it)."""
-        dist.broadcast_object_list([(num_blocks, block_size)], src=0)
+    def start_workers(self, num_blocks: int, block_size: int, prefault: bool = False) -> None:
+        """Tell the workers the KV cache to allocate (known once rank 0 has sized it), and
+        whether to fault its pages in at idle priority as rank 0 does (prefault_in_background)."""
+        dist.broadcast_object_list([(num_blocks, block_size, prefault)], src=0)
 
     def before_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> None:
         """Every worker runs this forward too (its layers' all-reduces meet rank 0's)."""
@@ -316,7 +317,7 @@ def _worker_main(
 ) -> None:
     """A worker rank: load its shard (or stage), allocate its KV cache, run every forward rank
     0 broadcasts until it broadcasts None."""
-    from pdserve.engine.model_runner import zeroed_lazily
+    from pdserve.engine.model_runner import prefault_in_background, zeroed_lazily
     from pdserve.engine.models.loader import load_model
     from pdserve.kernels.cpu import cpu_ops
 
@@ -330,9 +331,11 @@ def _worker_main(
     model.use_cpu_fused_ops(cpu_ops())  # attention: each forward's metadata names its backend
     sizes: list[Any] = [None]
     dist.broadcast_object_list(sizes, src=0)
-    num_blocks, block_size = sizes[0]
+    num_blocks, block_size, prefault = sizes[0]
     kv_cache = zeroed_lazily((model.arch.num_layers, *model.kv_cache_shape(num_blocks, block_size)),
                              model.dtype)  # fmt: skip
+    if prefault:
+        prefault_in_background(kv_cache)
     kv_caches = list(kv_cache.unbind(0))
     heads = _heads_of(rank, tp_size, full_kv_heads)
     while True:
