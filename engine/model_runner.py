@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -78,7 +79,35 @@ def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 _HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
 
+_PREFAULT_RESERVE = 1 << 30
+"""Memory the prefault leaves free (MemAvailable, or the cgroup limit's headroom)."""
+
 logger = logging.getLogger(__name__)
+
+
+def memory_headroom() -> int:
+    """Bytes this process may still take: MemAvailable, or less where its cgroup's memory
+    limit (v2 memory.max, v1 memory.limit_in_bytes) is nearer."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    headroom = int(fields["MemAvailable"].split()[0]) * 1024
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            folder, files = (
+                Path("/sys/fs/cgroup") / path.lstrip("/"),
+                ("memory.max", "memory.current"),
+            )
+        elif "memory" in controllers.split(","):
+            folder = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, usage = (int((folder / name).read_text()) for name in files)
+        except (OSError, ValueError):  # not mounted here, or "max": no limit
+            continue
+        headroom = min(headroom, limit - usage)
+    return headroom
 
 
 def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
@@ -89,7 +118,9 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     touched for the first time here: 6.5 s; the same pages again: 0.25 s); without this, the
     steps that first store K/V into a block pay it. madvise(MADV_POPULATE_WRITE) maps pages
     without changing what they hold, so blocks in use meanwhile are safe. The thread holds
-    only a weak reference and stops once the cache is freed (or the kernel lacks the advice).
+    only a weak reference and stops once the cache is freed (or the kernel lacks the advice),
+    and before it would leave less than 1 GiB of memory free (memory_headroom): the pages it
+    does not fault in are faulted by their first K/V store, as without it.
     Returns the thread, or None where it cannot run (not Linux, no SCHED_IDLE)."""
     if not hasattr(os, "SCHED_IDLE") or cache.dim() < 2:
         return None
@@ -115,6 +146,13 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
             if ref() is None:
                 return
             stop = min(start + chunk, num_blocks)
+            headroom = memory_headroom()
+            if headroom - (stop - start) * block_bytes * num_layers < _PREFAULT_RESERVE:
+                logger.info(
+                    "KV cache prefault stopped at block %d of %d: %.2f GiB of memory left",
+                    start, num_blocks, headroom / 2**30,
+                )  # fmt: skip
+                return
             for layer in range(num_layers):
                 lo = base + layer * layer_bytes + start * block_bytes
                 hi = base + layer * layer_bytes + stop * block_bytes

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine import LLM
-from pdserve.engine.model_runner import prefault_in_background, zeroed_lazily
+from pdserve.engine import LLM, model_runner
+from pdserve.engine.model_runner import memory_headroom, prefault_in_background, zeroed_lazily
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -68,6 +68,23 @@ def test_prefault_maps_every_page_and_changes_nothing() -> None:
     expected[1, 5] = 3.0
     expected[2, 63] = -1.0
     assert torch.equal(cache, expected)
+
+
+def test_prefault_leaves_the_reserve_free(monkeypatch) -> None:
+    shape = (3, 64, 2, 4, 16, 64)  # 12 MiB; 1.5 MiB of headroom over the reserve: none of it
+    cache = zeroed_lazily(shape, torch.float32)
+    monkeypatch.setattr(model_runner, "memory_headroom", lambda: (1 << 30) + (3 << 19))
+    thread = prefault_in_background(cache)
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _anon_huge_kib(cache.data_ptr(), "Rss:") < 12 * 1024 // 2
+
+
+def test_memory_headroom_is_at_most_memavailable() -> None:
+    meminfo = Path("/proc/meminfo").read_text()
+    available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
+    assert 0 < memory_headroom() <= available + (256 << 20)  # it moves between the reads
 
 
 def test_prefault_stops_once_the_cache_is_freed() -> None:
