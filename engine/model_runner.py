@@ -146,7 +146,11 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
             if ref() is None:
                 return
             stop = min(start + chunk, num_blocks)
-            headroom = memory_headroom()
+            try:
+                headroom = memory_headroom()
+            except (OSError, KeyError, ValueError) as exc:  # no /proc/meminfo as expected
+                logger.debug("KV cache prefault stopped: %s", exc)
+                return
             if headroom - (stop - start) * block_bytes * num_layers < _PREFAULT_RESERVE:
                 logger.info(
                     "KV cache prefault stopped at block %d of %d: %.2f GiB of memory left",

@@ -3,9 +3,9 @@
 Every step gives each request a number of tokens to compute: a decode is 1 token (+ its
 speculative tokens), a prompt is as many as the budget allows (chunked prefill); there are no
 prefill/decode phases, only num_computed_tokens catching up with num_tokens. Running requests
-go first (their known tokens, then their speculative ones from what is left), then waiting ones
-with what is left of the budget. When KV blocks run out, the
-lowest-priority running request is preempted (its blocks freed; it later recomputes).
+go first (their known tokens, then their speculative ones from what is left), then waiting
+ones with what is left of the budget. When KV blocks run out, the lowest-priority running
+request is preempted (its blocks freed; it later recomputes).
 
 No I/O and no torch here: schedule() returns plain data, update_from_output() folds results in.
 """
