@@ -122,6 +122,14 @@ class LLMEngine:
         self.model_config = model_config
         self.cache_config = cache_config or CacheConfig()
         self.scheduler_config = scheduler_config or SchedulerConfig()
+        sched = self.scheduler_config
+        if sched.max_num_batched_tokens < sched.max_num_seqs:
+            # vLLM refuses this; here it works, but a step cannot advance every running request
+            logger.warning(
+                "max_num_batched_tokens %d < max_num_seqs %d: with more requests running than "
+                "that, a step leaves the last of them without a token",
+                sched.max_num_batched_tokens, sched.max_num_seqs,
+            )  # fmt: skip
         start = time.monotonic()
         tune_allocator()
         self.parallel_config = parallel_config or ParallelConfig()

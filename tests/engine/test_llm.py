@@ -147,3 +147,15 @@ def test_reset_prefix_cache_forgets_cached_prompts(llm):
             break
         llm.engine.step()
     assert llm.reset_prefix_cache() is True
+
+
+def test_a_budget_below_max_num_seqs_is_warned_about(tiny_llama, caplog) -> None:
+    with caplog.at_level("WARNING", logger="pdserve.engine.llm_engine"):
+        LLM(model=tiny_llama, dtype="float32", num_blocks=64, max_num_batched_tokens=16,
+            max_num_seqs=32)  # fmt: skip
+    assert any("max_num_batched_tokens 16 < max_num_seqs 32" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="pdserve.engine.llm_engine"):
+        LLM(model=tiny_llama, dtype="float32", num_blocks=64, max_num_batched_tokens=32,
+            max_num_seqs=32)  # fmt: skip
+    assert not any("max_num_batched_tokens" in r.getMessage() for r in caplog.records)
