@@ -93,10 +93,8 @@ def memory_headroom() -> int:
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2
-            folder, files = (
-                Path("/sys/fs/cgroup") / path.lstrip("/"),
-                ("memory.max", "memory.current"),
-            )
+            folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+            files = ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
             folder = Path("/sys/fs/cgroup/memory") / path.lstrip("/")
             files = ("memory.limit_in_bytes", "memory.usage_in_bytes")

@@ -16,8 +16,8 @@ from pdserve.engine.model_runner import memory_headroom, prefault_in_background,
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-def _anon_huge_kib(address: int, field: str = "AnonHugePages:") -> int:
-    """AnonHugePages (or another smaps field, KiB) of the mapping of this process that holds
+def _smaps_kib(address: int, field: str) -> int:
+    """An smaps field (KiB: "Rss:", "AnonHugePages:") of this process's mapping that holds
     address."""
     lines = Path("/proc/self/smaps").read_text().splitlines()
     inside = False
@@ -49,7 +49,8 @@ def test_large_cache_is_zero_writable_and_on_huge_pages() -> None:
     if "[never]" not in mode:
         # a shared anonymous mapping (Python mmap's default) is shmem and got no huge pages
         # here: the cache must be a private mapping
-        assert _anon_huge_kib(cache.data_ptr()) >= 2048, f"no huge pages (THP: {mode.strip()})"
+        huge_kib = _smaps_kib(cache.data_ptr(), "AnonHugePages:")
+        assert huge_kib >= 2048, f"no huge pages (THP: {mode.strip()})"
 
 
 def test_prefault_maps_every_page_and_changes_nothing() -> None:
@@ -58,12 +59,12 @@ def test_prefault_maps_every_page_and_changes_nothing() -> None:
     cache = zeroed_lazily(shape, torch.float32)
     cache[1, 5].fill_(3.0)  # blocks in use while the thread runs keep their contents
     cache[2, 63].fill_(-1.0)
-    assert _anon_huge_kib(cache.data_ptr(), "Rss:") < total_kib
+    assert _smaps_kib(cache.data_ptr(), "Rss:") < total_kib
     thread = prefault_in_background(cache)
     assert thread is not None
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert _anon_huge_kib(cache.data_ptr(), "Rss:") >= total_kib
+    assert _smaps_kib(cache.data_ptr(), "Rss:") >= total_kib
     expected = torch.zeros(shape)
     expected[1, 5] = 3.0
     expected[2, 63] = -1.0
@@ -78,7 +79,7 @@ def test_prefault_leaves_the_reserve_free(monkeypatch) -> None:
     assert thread is not None
     thread.join(timeout=60)
     assert not thread.is_alive()
-    assert _anon_huge_kib(cache.data_ptr(), "Rss:") < 12 * 1024 // 2
+    assert _smaps_kib(cache.data_ptr(), "Rss:") < 12 * 1024 // 2
 
 
 def test_memory_headroom_is_at_most_memavailable() -> None:
@@ -108,4 +109,4 @@ def test_engine_prefaults_unless_told_not_to(tiny_llama, monkeypatch, flag, env,
         thread.join(timeout=60)
         assert not thread.is_alive()
         cache = llm.engine.runner.kv_cache
-        assert _anon_huge_kib(cache.data_ptr(), "Rss:") * 1024 >= cache.numel() * 4
+        assert _smaps_kib(cache.data_ptr(), "Rss:") * 1024 >= cache.numel() * 4
