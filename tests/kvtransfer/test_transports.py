@@ -56,8 +56,15 @@ async def _shutdown_ucx() -> None:
 def run(loop: asyncio.AbstractEventLoop, main: Callable[[], Awaitable[None]]) -> None:
     """Run one test's main under a deadline, then check it left no task behind."""
     loop.run_until_complete(asyncio.wait_for(main(), TEST_DEADLINE_S))
-    leftover = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    leftover = [t for t in asyncio.all_tasks(loop) if not t.done() and not _ucxx_notifier(t)]
     assert leftover == [], f"tasks left running: {leftover}"
+
+
+def _ucxx_notifier(task: asyncio.Task) -> bool:
+    """ucxx's notifier thread schedules `_run_request_notifier` onto the loop whenever UCX
+    requests complete, from its own thread and at any moment (a CI run caught one pending
+    at the check after a UCX test): ucxx's housekeeping, not a task a transport left behind."""
+    return task.get_coro().__qualname__ == "_run_request_notifier"
 
 
 @asynccontextmanager
