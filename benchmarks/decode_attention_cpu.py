@@ -4,7 +4,7 @@ few long contexts and many short ones, in bf16 and float32. Reports ms a call an
 bytes read per second (compare with the machine's read bandwidth). Median of --reps rounds.
 
 As in the engine, each layer's cache is a lazily mapped one on transparent huge pages
-(model_runner.zeroed_lazily) holding twice the blocks the requests use, and a round calls
+(host_memory.zeroed_lazily) holding twice the blocks the requests use, and a round calls
 --layers layers' caches in turn, so the K/V comes from memory, not from the last call's cache.
 
     .venv/bin/python benchmarks/decode_attention_cpu.py
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pdserve.engine.model_runner import zeroed_lazily  # noqa: E402
+from pdserve.engine.host_memory import zeroed_lazily  # noqa: E402
 from pdserve.kernels.cpu import cpu_ops  # noqa: E402
 
 

@@ -27,6 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pdserve.engine.host_memory import huge_page_copies  # noqa: E402
 from pdserve.engine.models.llama import pack_small_rows, pack_weight, packed_linear  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K] of one layer's projections
@@ -53,6 +54,9 @@ def main() -> None:
     small = [[pack_small_rows(w) for w in layer] for layer in weights]
     if any(s is None for layer in small for s in layer):
         sys.exit(f"the few-row kernel takes no {args.dtype} weights here (or did not build)")
+    # on huge pages, one after another, as the engine lays them out (CausalLM.pack_weights)
+    flat = iter(huge_page_copies([s for layer in small for s in layer]))
+    small = [[next(flat) for _ in layer] for layer in small]
     from pdserve.kernels.cpu import cpu_ops
 
     ops = cpu_ops()

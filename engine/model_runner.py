@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from pdserve.engine.attention import (
@@ -31,6 +30,7 @@ from pdserve.engine.attention import (
     attention_backend,
 )
 from pdserve.engine.cuda_graphs import DecodeGraphs
+from pdserve.engine.host_memory import HUGE_PAGE, zeroed_lazily
 from pdserve.engine.lora.manager import LoRAManager
 from pdserve.engine.models.llama import CausalLM
 from pdserve.engine.models.loader import ModelArch
@@ -54,29 +54,6 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor whose pages the OS zeroes on first touch (an anonymous mapping), so a
-    multi-GiB KV cache costs nothing at start-up. Zeros matter: padding slots must never hold
-    NaN (a masked NaN still poisons softmax(QK) @ V). The mapping asks for transparent huge
-    pages (madvise): a first touch then faults in 2 MiB instead of 4 KiB, and in this VM each
-    fault is dear (a 1024-token prefill of SmolLM2 spent 80 ms of 370 storing K/V into fresh
-    4 KiB pages); attention's reads need fewer TLB entries too."""
-    numel = int(np.prod(shape))
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    if nbytes < _HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
-    # anonymous: zero pages on first touch; private: a shared anonymous mapping (mmap's default)
-    # is shmem, which takes huge pages only where shmem_enabled allows (here: never)
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # transparent huge pages off ("never"): 4 KiB pages
-        pass
-    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
-
-
-_HUGE_PAGE = 2 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
 
 _PREFAULT_RESERVE = 1 << 30
@@ -122,14 +99,14 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     Returns the thread, or None where it cannot run (not Linux, no SCHED_IDLE)."""
     if not hasattr(os, "SCHED_IDLE") or cache.dim() < 2:
         return None
-    if cache.numel() * cache.element_size() < _HUGE_PAGE:
+    if cache.numel() * cache.element_size() < HUGE_PAGE:
         return None  # zeroed_lazily wrote it already
     ref = weakref.ref(cache)
     base = cache.data_ptr()
     item = cache.element_size()
     layer_bytes, block_bytes = cache.stride(0) * item, cache.stride(1) * item
     num_layers, num_blocks = cache.shape[0], cache.shape[1]
-    chunk = max(1, _HUGE_PAGE // block_bytes)  # blocks per call: >= 2 MiB of each layer
+    chunk = max(1, HUGE_PAGE // block_bytes)  # blocks per call: >= 2 MiB of each layer
     page = mmap.PAGESIZE
 
     def run() -> None:

@@ -317,7 +317,8 @@ def _worker_main(
 ) -> None:
     """A worker rank: load its shard (or stage), allocate its KV cache, run every forward rank
     0 broadcasts until it broadcasts None."""
-    from pdserve.engine.model_runner import prefault_in_background, zeroed_lazily
+    from pdserve.engine.host_memory import zeroed_lazily
+    from pdserve.engine.model_runner import prefault_in_background
     from pdserve.engine.models.loader import load_model
     from pdserve.kernels.cpu import cpu_ops
 

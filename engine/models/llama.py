@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.host_memory import huge_page_copies
 from pdserve.engine.utils import cdiv
 
 if TYPE_CHECKING:
@@ -466,12 +467,23 @@ class CausalLM(UsesFusedOps, nn.Module):
     def pack_weights(self) -> None:
         """Reorder every projection's weight for oneDNN and the few-row kernel (after loading;
         CPU only)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack()
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        for module in linears:
+            module.pack()
         if self.lm_head is None:
             self._packed_tied_head = pack_weight(self.model.embed_tokens.weight)
             self._small_tied_head = pack_small_rows(self.model.embed_tokens.weight)
+        # The few-row kernel's weights, which every decode step streams once, on huge pages
+        # (engine/host_memory.py), one after another in the order a step reads them.
+        with_small = [m for m in linears if m.small is not None]
+        tensors = [m.small for m in with_small]
+        if self._small_tied_head is not None:
+            tensors.append(self._small_tied_head)
+        copies = huge_page_copies(tensors)
+        for module, copy in zip(with_small, copies, strict=False):  # the tied head's is last
+            module.small = copy
+        if self._small_tied_head is not None:
+            self._small_tied_head = copies[-1]
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor the checkpoint must provide (HF names) and its shape."""

@@ -27,9 +27,9 @@
 // same two functions take another layout and loop: W^T as [N'/16][K][16] bf16 (N' a multiple of
 // 16) or float32, one 32-byte load per k (bf16: widened to two 8-float vectors by a shift),
 // times up to 6 rows of x (widened to fp32 once per call) broadcast, into 12 fp32 accumulators;
-// a 16-column panel stays in L1/L2 while every row block passes over it. A panel met by 12 or
-// more rows is copied to a float buffer once per call (bf16: widened), so the passes after the
-// first read it from cache (and bf16's do not widen again, and have the registers for 6 rows).
+// a 16-column panel stays in L1/L2 while every row block passes over it, prefetched ahead of
+// the first. A bf16 panel met by 64 or more rows is widened into a float buffer once per call,
+// so the passes do not widen again (and have the registers for 6 rows).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -87,6 +87,12 @@ inline void store8(float* p, __m256 v, int lanes) {  // float32 outputs: no roun
   }
 }
 
+// How many k steps ahead of the loop the panel is prefetched (fp32: 32 lines, 2 KiB; bf16: 1 KiB),
+// across the panel's end into the next one (panels lie one after another; a prefetch past the
+// weight's end is harmless). The hardware prefetcher alone left 1-8-row products at ~26-28 GB/s
+// here (AMD Zen 3); with it 1.05-1.15x faster (benchmarks/small_rows_linear.py).
+constexpr int64_t kAheadSteps = 32;
+
 // Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, P: bf16 or float) into
 // out's columns [c0, c0 + cols): vec.h's rows_x16_fma (a bf16 panel's widening needs one more
 // register than its 6 rows leave: it takes at most 4 rows).
@@ -98,6 +104,8 @@ void panel_rows(const float* xf, int64_t k, const P* panel, const float* bias16,
   rows_x16_fma<R>(
       k, [&](int, __m256& lo, __m256& hi) { lo = hi = _mm256_setzero_ps(); },
       [&](int64_t kk, __m256& w0, __m256& w1) {
+        _mm_prefetch(reinterpret_cast<const char*>(panel + (kk + kAheadSteps) * kPanelCols),
+                     _MM_HINT_T0);
         w0 = widen8(panel + kk * kPanelCols);
         w1 = widen8(panel + kk * kPanelCols + 8);
       },
@@ -128,14 +136,14 @@ void panel_all_rows(const float* xf, int64_t m, int64_t k, const P* panel, const
   }
 }
 
-// Rows at or above which a panel is first copied into a per-thread float buffer (bf16: widened;
-// K x 16 floats, at most 96 KiB, in L2) and the 6-row loop passes over that copy. bf16: at 48
-// rows 1.5x the 4-row loop on the bf16 panel, whose every pass widens again. float32: at 48
-// rows 125 -> 70 ms a SmolLM2 step of projections (0.73x -> 1.37x oneDNN), at 16 43 -> 36 ms:
-// passes over the weight where it lies ran at half the speed of passes over the copy (the
-// first, from memory, is latency-bound line by line); at 7-11 rows the copy cost more than it
-// saved (8 rows: 21 vs 26 ms).
-constexpr int64_t kCopyPanelRows = 12;
+// bf16 rows at or above which a panel is first widened into a per-thread float buffer (K x 16
+// floats, at most 96 KiB, in L2) and the 6-row loop passes over that copy instead of the 4-row
+// loop widening the bf16 panel again in every pass: 1.07x at 96 and 128 rows, even at 48-64,
+// slower below. float32 panels are never copied: with the prefetch and the weights on huge pages
+// (engine/host_memory.py) the passes over the weight where it lies beat the copy at every row
+// count (SmolLM2's projections, 12 rows 19 vs 26 ms, 16: 26 vs 35, 48: 60 vs 65-72, 128: 148-152
+// vs 155; before either, passes from memory were latency-bound and the copy won from 12 rows).
+constexpr int64_t kCopyPanelRows = 64;
 
 // Panels [p0, p1) for all m rows.
 template <typename W>
@@ -145,7 +153,7 @@ void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, 
   // The panel's float copy: one buffer per thread, kept across calls (a decode step makes ~240).
   static thread_local std::vector<float> wide;
   constexpr bool kBf16 = std::is_same_v<W, c10::BFloat16>;
-  const bool copy = m >= kCopyPanelRows;
+  const bool copy = kBf16 && m >= kCopyPanelRows;
   if (copy && static_cast<int64_t>(wide.size()) < k * kPanelCols) wide.resize(k * kPanelCols);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
@@ -156,11 +164,7 @@ void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, 
       panel_all_rows<kBf16 ? 4 : 6>(xf, m, k, panel, bias16, out, n, c0, cols);
       continue;
     }
-    if constexpr (kBf16) {
-      for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
-    } else {
-      std::memcpy(wide.data(), panel, k * kPanelCols * sizeof(float));
-    }
+    for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
     panel_all_rows<6>(xf, m, k, wide.data(), bias16, out, n, c0, cols);
   }
 }

@@ -1,6 +1,7 @@
-"""The CPU KV cache's memory (engine/model_runner.zeroed_lazily): zeros, writable, on
+"""Host memory (engine/host_memory.py). The CPU KV cache (zeroed_lazily): zeros, writable, on
 transparent huge pages where the kernel offers them for madvise'd memory, and faulted in by a
-background thread (prefault_in_background) without a byte of it changing."""
+background thread (prefault_in_background) without a byte of it changing. The few-row kernel's
+weights (huge_page_copies): equal copies, on huge pages, in one mapping."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, model_runner
-from pdserve.engine.model_runner import memory_headroom, prefault_in_background, zeroed_lazily
+from pdserve.engine.host_memory import huge_page_copies, zeroed_lazily
+from pdserve.engine.model_runner import memory_headroom, prefault_in_background
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -51,6 +53,64 @@ def test_large_cache_is_zero_writable_and_on_huge_pages() -> None:
         # here: the cache must be a private mapping
         huge_kib = _smaps_kib(cache.data_ptr(), "AnonHugePages:")
         assert huge_kib >= 2048, f"no huge pages (THP: {mode.strip()})"
+
+
+def _thp_offered() -> bool:
+    return "[never]" not in (THP.read_text() if THP.exists() else "[never]")
+
+
+def test_huge_page_copies_are_equal_and_share_one_mapping_on_huge_pages() -> None:
+    g = torch.Generator().manual_seed(0)
+    tensors = [
+        torch.randn(960 * 576, generator=g),  # 2.1 MiB
+        torch.randn(77, 33, generator=g).bfloat16(),  # odd size: the next one is realigned
+        torch.randn(3072, 576, generator=g),
+    ]
+    copies = huge_page_copies(tensors)
+    for tensor, copy in zip(tensors, copies, strict=True):
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape
+        assert torch.equal(copy, tensor) and copy.data_ptr() != tensor.data_ptr()
+        assert copy.data_ptr() % 64 == 0
+    storages = {c.untyped_storage().data_ptr() for c in copies}
+    assert len(storages) == 1, "the copies should share one mapping"
+    ends = [c.data_ptr() + c.numel() * c.element_size() for c in copies]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, copies[1:], strict=False))
+    del tensors
+    gc.collect()
+    assert torch.isfinite(copies[2]).all()  # the mapping outlives the originals
+    if _thp_offered():
+        assert _smaps_kib(copies[2].data_ptr(), "AnonHugePages:") >= 2048
+
+
+def test_huge_page_copies_leave_small_sets_and_refuse_strided_tensors() -> None:
+    small = [torch.ones(10), torch.zeros(3, 4)]
+    assert all(a is b for a, b in zip(huge_page_copies(small), small, strict=True))
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        huge_page_copies([torch.zeros(1024, 1024).t()])
+
+
+def test_loaded_model_keeps_its_few_row_weights_in_one_mapping(tiny_llama, monkeypatch) -> None:
+    from pdserve.engine import host_memory
+    from pdserve.engine.models.llama import Linear, pack_small_rows
+    from pdserve.engine.models.loader import load_model
+    from pdserve.kernels.cpu import cpu_ops
+
+    monkeypatch.setattr(host_memory, "HUGE_PAGE", 4096)  # the tiny model's weights: < 2 MiB
+    model, _ = load_model(tiny_llama, "float32")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    smalls = [m.small for m in linears if m.small is not None]
+    ops = cpu_ops()
+    if ops is None or not ops.linear_small_m_available():
+        assert smalls == []  # nothing to place: the products go through oneDNN
+        return
+    assert smalls, "no projection took the few-row kernel's layout"
+    if model._small_tied_head is not None:
+        smalls.append(model._small_tied_head)
+    assert len({s.untyped_storage().data_ptr() for s in smalls}) == 1
+    for m in linears:
+        expected = pack_small_rows(m.weight)  # None where K is not a multiple of 32
+        assert (m.small is None) == (expected is None)
+        assert expected is None or torch.equal(m.small, expected)
 
 
 def test_prefault_maps_every_page_and_changes_nothing() -> None:
