@@ -129,17 +129,17 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | No
 SMALL_ROWS_MAX = 128
 """Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
 layout (pack_small_rows): 1.7-1.8x oneDNN's speed at 1-16 rows on an AMX CPU (21-22 vs 12 GB/s
-of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256; on AVX2 (AMD Zen 3) 2.1-2.7x at 1-4
-rows, 1.1-1.3x at 16-48, 1.0-1.1x at 128, in bf16 and float32 (benchmarks/small_rows_linear.py
---dtype)."""
+of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256. On AVX2 without AVX-512 (AMD Zen 3)
+the kernel takes every row count (small_rows_take_all): 2.1-2.7x at 1-4 rows, 1.1-1.35x
+from 16 to 2048 (benchmarks/small_rows_linear.py --dtype)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
     """weight ([N, K]) in the layout of the compiled kernel for few-row products
     (pdserve_kernels/cpu/linear.cpp: AMX, bf16; or AVX2 + FMA, bf16 or float32), or None where
     it cannot run: no kernels, neither AMX granted nor AVX2, a dtype the build does not take,
-    K not a multiple of 32. A second copy of the weight (the oneDNN copy serves the many-row
-    products of prefill)."""
+    K not a multiple of 32. A second copy of the weight (the oneDNN copy, where there is one,
+    serves the many-row products of prefill)."""
     if weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float32):
         return None
     if weight.shape[1] % 32:
@@ -155,6 +155,16 @@ def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def small_rows_take_all() -> bool:
+    """Whether the few-row kernel takes products of every row count here (an AVX2 CPU without
+    AVX-512, where it outruns oneDNN: pdserve_kernels/cpu/linear.cpp), so weights it has a
+    layout for get no oneDNN copy."""
+    from pdserve.kernels.cpu import cpu_ops
+
+    ops = cpu_ops()
+    return ops is not None and ops.linear_small_m_all_rows()
+
+
 def packed_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -163,13 +173,14 @@ def packed_linear(
     small: torch.Tensor | None = None,
     ops: ModuleType | None = None,
 ) -> torch.Tensor:
-    """x W^T (+ b): few rows through the AMX kernel (small: pack_small_rows' layout; ops: the
-    compiled layers, None while they are off), more through the oneDNN-packed weight when it
-    pays off, else F.linear."""
+    """x W^T (+ b): few rows through the compiled kernel (small: pack_small_rows' layout; ops:
+    the compiled layers, None while they are off), every row count where the weight has no
+    oneDNN copy (small_rows_take_all), more through the oneDNN-packed weight when it pays off,
+    else F.linear."""
     if (
         small is not None
         and ops is not None
-        and x.shape[0] <= SMALL_ROWS_MAX
+        and (x.shape[0] <= SMALL_ROWS_MAX or packed is None)
         and x.dim() == 2
         and x.stride(1) == 1
         and x.dtype == small.dtype
@@ -204,8 +215,9 @@ class Linear(UsesFusedOps, nn.Module):
         in place."""
 
     def pack(self) -> None:
-        self.packed = pack_weight(self.weight)
         self.small = pack_small_rows(self.weight)
+        take_all = self.small is not None and small_rows_take_all()
+        self.packed = None if take_all else pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = packed_linear(x, self.weight, self.packed, self.bias, self.small, self.fused_ops)
@@ -471,8 +483,10 @@ class CausalLM(UsesFusedOps, nn.Module):
         for module in linears:
             module.pack()
         if self.lm_head is None:
-            self._packed_tied_head = pack_weight(self.model.embed_tokens.weight)
-            self._small_tied_head = pack_small_rows(self.model.embed_tokens.weight)
+            embed = self.model.embed_tokens.weight
+            self._small_tied_head = pack_small_rows(embed)
+            take_all = self._small_tied_head is not None and small_rows_take_all()
+            self._packed_tied_head = None if take_all else pack_weight(embed)
         # The few-row kernel's weights, which every decode step streams once, on huge pages
         # (engine/host_memory.py), one after another in the order a step reads them.
         with_small = [m for m in linears if m.small is not None]

@@ -96,8 +96,10 @@ constexpr int64_t kAheadSteps = 32;
 // Rows [r0, r0 + R) of xf (fp32, K wide) times one panel (K x 16, P: bf16 or float) into
 // out's columns [c0, c0 + cols): vec.h's rows_x16_fma (a bf16 panel's widening needs one more
 // register than its 6 rows leave: it takes at most 4 rows).
+// Not inlined: inlined into linear_small_m's loops (the row blocks), GCC kept the float32
+// instantiation's accumulators and K on the stack, storing them every step (half the speed).
 template <int R, typename P, typename O>
-void panel_rows(const float* xf, int64_t k, const P* panel, const float* bias16, O* out,
+__attribute__((noinline)) void panel_rows(const float* xf, int64_t k, const P* panel, const float* bias16, O* out,
                 int64_t n, int64_t r0, int64_t c0, int64_t cols) {
   const int lo_lanes = static_cast<int>(std::min<int64_t>(8, cols));
   const float* xr = xf + r0 * k;
@@ -145,6 +147,9 @@ void panel_all_rows(const float* xf, int64_t m, int64_t k, const P* panel, const
 // vs 155; before either, passes from memory were latency-bound and the copy won from 12 rows).
 constexpr int64_t kCopyPanelRows = 64;
 
+// Rows of x per block in the many-row products of prefill (3 MiB of x at K 768: in L3).
+constexpr int64_t kRowBlock = 1024;
+
 // Panels [p0, p1) for all m rows.
 template <typename W>
 void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, int64_t n,
@@ -155,17 +160,25 @@ void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, 
   constexpr bool kBf16 = std::is_same_v<W, c10::BFloat16>;
   const bool copy = kBf16 && m >= kCopyPanelRows;
   if (copy && static_cast<int64_t>(wide.size()) < k * kPanelCols) wide.resize(k * kPanelCols);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
-    for (int64_t c = 0; c < kPanelCols; ++c)
-      bias16[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
-    const W* panel = packed + p * k * kPanelCols;
-    if (!copy) {
-      panel_all_rows<kBf16 ? 4 : 6>(xf, m, k, panel, bias16, out, n, c0, cols);
-      continue;
+  // Blocks of kRowBlock rows, each over all the panels: a block's x stays in cache while
+  // the panels pass by (with every row against each panel, a 4096-row x of K 1536, 25 MB, came
+  // from memory once per panel: 157 GFLOP/s against 180 at 2048 rows).
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, m - r0);
+    const float* xb = xf + r0 * k;
+    W* ob = out + r0 * n;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t c0 = p * kPanelCols, cols = std::min(kPanelCols, n - c0);
+      for (int64_t c = 0; c < kPanelCols; ++c)
+        bias16[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
+      const W* panel = packed + p * k * kPanelCols;
+      if (!copy) {
+        panel_all_rows<kBf16 ? 4 : 6>(xb, rows, k, panel, bias16, ob, n, c0, cols);
+        continue;
+      }
+      for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
+      panel_all_rows<6>(xb, rows, k, wide.data(), bias16, ob, n, c0, cols);
     }
-    for (int64_t i = 0; i < k * kPanelCols; i += 8) _mm256_storeu_ps(&wide[i], widen8(panel + i));
-    panel_all_rows<6>(xf, m, k, wide.data(), bias16, out, n, c0, cols);
   }
 }
 
@@ -250,6 +263,20 @@ bool linear_small_m_available() {
 #endif
 }
 
+// Whether linear_small_m should take products of every row count, prefill's too: the AVX2 +
+// FMA loop on a CPU without AVX-512, where it outran oneDNN's packed GEMM at every row count
+// measured (AMD Zen 3, SmolLM2's projections, float32: 172-183 vs 127-164 GFLOP/s at 64-2048
+// rows; bf16: 143-160 vs 118-157, oneDNN multiplying in float32), so the engine keeps no oneDNN
+// copy of the weights at all. On AMX (bf16 decode rows) and on AVX-512 CPUs oneDNN takes the
+// many-row products.
+bool linear_small_m_all_rows() {
+#if defined(PDSERVE_LINEAR_AVX2) && !defined(__AVX512F__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 torch::Tensor pack_linear_weight(torch::Tensor w) {
 #if defined(PDSERVE_LINEAR_AVX2)
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kBFloat16 ||
@@ -327,19 +354,23 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
     using W = decltype(tag);
     const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;
     // x as float32 rows packed K apart: x itself when it already is, else widened (or packed)
-    // once (M x K floats: at most 128 x K, from L2).
+    // once, both threads a share of the rows, into a buffer the calling thread keeps (a
+    // prefill's x is megabytes: a fresh allocation each call would fault its pages in again).
     const W* xp = x.data_ptr<W>();
-    std::vector<float> xf;
+    static thread_local std::vector<float> xf;
     const float* xrows = nullptr;
     if constexpr (std::is_same_v<W, float>) {
       if (x.stride(0) == k) xrows = xp;
     }
     if (xrows == nullptr) {
-      xf.resize(m * k);
-      for (int64_t r = 0; r < m; ++r)
-        for (int64_t j = 0; j < k; ++j)
-          xf[r * k + j] = static_cast<float>(xp[r * x.stride(0) + j]);
-      xrows = xf.data();
+      if (static_cast<int64_t>(xf.size()) < m * k) xf.resize(m * k);
+      float* dst = xf.data();
+      const int64_t ldx = x.stride(0);
+      at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r)
+          for (int64_t j = 0; j < k; j += 8) _mm256_storeu_ps(dst + r * k + j, widen8(xp + r * ldx + j));
+      });
+      xrows = dst;
     }
     const W* wp = packed.data_ptr<W>();
     W* op = out.data_ptr<W>();

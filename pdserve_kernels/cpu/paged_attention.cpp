@@ -814,6 +814,7 @@ void paged_prefill_attention_out(torch::Tensor q, torch::Tensor cache, torch::Te
                                  int64_t window);
 // linear.cpp
 bool linear_small_m_available();
+bool linear_small_m_all_rows();
 torch::Tensor pack_linear_weight(torch::Tensor w);
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
                              c10::optional<torch::Tensor> bias);
@@ -841,8 +842,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "row-wise argmax of a float32 matrix (torch.argmax's answer)");
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] bf16 in linear_small_m's layout");
-  m.def("linear_small_m", &linear_small_m, "x W^T (+ b) for few rows, bf16 (AMX)", py::arg("x"),
+  m.def("linear_small_m", &linear_small_m, "x W^T (+ b): AMX bf16 few rows, or AVX2", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+  m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
+        "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
   m.def("linear_small_m_available", &linear_small_m_available,
         "whether linear_small_m runs here (built for AMX and granted by the OS)");
 }

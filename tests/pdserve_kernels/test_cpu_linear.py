@@ -25,7 +25,7 @@ def reference(x, w, bias):
     return y if bias is None else y + bias.double()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, 11, 12, 13, 16, 17, 33, 128])
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, 11, 12, 13, 16, 17, 33, 64, 128, 1100])
 @pytest.mark.parametrize("n,k", [(960, 576), (5, 32), (576, 1536), (130, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
@@ -41,7 +41,7 @@ def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
     assert (err <= want.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 8, 9, 13, 48])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 8, 9, 13, 48, 1100])
 def test_float32_where_the_build_takes_it(ops, rows):
     """The AVX2 build multiplies float32 weights too (float32 models' decode steps); the AMX
     build refuses them (bf16 only), and the model then keeps oneDNN / F.linear."""
@@ -100,12 +100,17 @@ def test_bad_shapes_are_refused_with_an_error(ops):
 
 
 def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
+    """On AVX2 without AVX-512 the kernel takes every row count and no oneDNN copy is made
+    (small_rows_take_all); elsewhere oneDNN takes the products past SMALL_ROWS_MAX."""
     g = torch.Generator().manual_seed(2)
     layer = llama.Linear(256, (96, 32), bias=True, dtype=torch.bfloat16)
     layer.weight.copy_(torch.randn(128, 256, generator=g))
     layer.bias.copy_(torch.randn(128, generator=g))
     layer.pack()
     assert layer.small is not None
+    take_all = ops.linear_small_m_all_rows()
+    assert take_all == llama.small_rows_take_all()
+    assert (layer.packed is None) == take_all
     calls = []
     real = ops.linear_small_m
 
@@ -122,7 +127,13 @@ def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
         x = torch.randn(rows, 256, generator=g).bfloat16()
         want = reference(x, layer.weight, layer.bias)
         torch.testing.assert_close(layer(x).double(), want, rtol=2**-7, atol=0.05)
-    assert calls == [1, 3, llama.SMALL_ROWS_MAX]
+    kernel_rows = [1, 3, llama.SMALL_ROWS_MAX]
+    if take_all:
+        kernel_rows += [llama.SMALL_ROWS_MAX + 8, 512]
+    assert calls == kernel_rows
     layer.fused_ops = None  # compiled layers off: oneDNN / F.linear only
-    layer(torch.randn(2, 256).bfloat16())
-    assert calls == [1, 3, llama.SMALL_ROWS_MAX]
+    x = torch.randn(2, 256).bfloat16()
+    torch.testing.assert_close(
+        layer(x).double(), reference(x, layer.weight, layer.bias), rtol=2**-7, atol=0.05
+    )
+    assert calls == kernel_rows
