@@ -144,7 +144,8 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top ha
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// decode_one on AVX2 + FMA (e.g. AMD Zen 3, no AVX-512): the same two passes, with q . k taken
+// decode_one on AVX2 + FMA (e.g. AMD Zen 3, no AVX-512), for a range of kv heads (all of a
+// request's when there are many requests, see decode()): the same two passes, with q . k taken
 // 8 keys at a time (8 accumulators, one q vector load per 8 K vectors, one 8-way horizontal
 // reduction per 8 scores instead of one per score) and P V 64 dims (8 accumulators) at a time;
 // bf16 K/V widened once per block into a float buffer (4 KiB for 16 x 64) that every query
@@ -153,22 +154,26 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top ha
 // Prefetching the next block's rows of the head, as the AVX-512 path does, measured slower
 // here (2.08 vs 1.68-1.85 ms a call at 4 x 7680 bf16).
 template <typename T, int kD>
-void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t first,
-                     int64_t seq_len, T* out, int64_t kv_head, int64_t num_kv_heads,
-                     int64_t group, int64_t block_size, float scale, std::vector<float>& work) {
+void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t first,
+                       int64_t seq_len, T* out, int64_t h0, int64_t h1, int64_t num_kv_heads,
+                       int64_t group, int64_t block_size, float scale, std::vector<float>& work) {
+  // q/out point at the first query head of kv head h0; kv heads [h0, h1), keys [first, seq_len).
+  // Block by block, every kv head of the range in turn: with all of a request's heads in one
+  // task, a block's K (then V) rows of those heads are one contiguous run.
   static_assert(kD > 0 && kD % 8 == 0, "head_dim must be a multiple of 8");
   constexpr int kC = kD / 8;                     // vectors per row
   constexpr int kV = kC % 8 == 0 ? 8 : kC;       // accumulators per P V pass
   static_assert(kC % kV == 0);
-  const int64_t qd = group * kD;
+  const int64_t heads = (h1 - h0) * group;  // query heads
+  const int64_t qd = heads * kD;
   const int64_t len = seq_len - first;
   const int64_t stride = len + 8;  // a score row, room for a last full 8-key store
   constexpr bool kWiden = !std::is_same_v<T, float>;
-  work.resize(2 * qd + group * stride + (kWiden ? block_size * kD : 0));
+  work.resize(2 * qd + heads * stride + (kWiden ? block_size * kD : 0));
   float* qf = work.data();
   float* acc = qf + qd;
-  float* scores = acc + qd;               // [group, stride]
-  float* wide = scores + group * stride;  // one block's K or V rows as floats (bf16 only)
+  float* scores = acc + qd;               // [heads, stride]
+  float* wide = scores + heads * stride;  // one block's K or V rows as floats (bf16 only)
   // n rows of the block as floats: the cache itself (float32) or `wide`, widened once.
   auto as_float = [&](const T* rows, int64_t n) -> const float* {
     if constexpr (kWiden) {
@@ -184,46 +189,49 @@ void decode_one_avx2(const T* q, const T* cache, const int64_t* table, int64_t f
   }
   const int64_t kv_stride = num_kv_heads * block_size * kD;  // K -> V of one block
   const int64_t block_stride = 2 * kv_stride;
-  const int64_t head_offset = kv_head * block_size * kD;
-  auto rows_of = [&](int64_t start, int64_t kv) -> const T* {
-    return cache + table[start / block_size] * block_stride + kv * kv_stride + head_offset +
-           (start % block_size) * kD;
+  auto rows_of = [&](int64_t start, int64_t kv, int64_t h) -> const T* {
+    return cache + table[start / block_size] * block_stride + kv * kv_stride +
+           h * block_size * kD + (start % block_size) * kD;
   };
   for (int64_t start = first; start < seq_len;) {
     const int64_t n = std::min(block_size - start % block_size, seq_len - start);
-    const float* k = as_float(rows_of(start, 0), n);
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {
-      const int64_t nk = std::min<int64_t>(8, n - j0);
-      const float* kr[8];
-      for (int64_t i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * kD;  // tail: repeats
-      for (int64_t g = 0; g < group; ++g) {
-        __m256 a[8];
-        const __m256 q0 = _mm256_loadu_ps(qf + g * kD);
-        for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, load8(kr[i]));
-        for (int c = 1; c < kC; ++c) {
-          const __m256 qc = _mm256_loadu_ps(qf + g * kD + 8 * c);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qc, load8(kr[i] + 8 * c), a[i]);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* k = as_float(rows_of(start, 0, h), n);
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        const int64_t nk = std::min<int64_t>(8, n - j0);
+        const float* kr[8];
+        for (int64_t i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * kD;  // tail: repeats
+        for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
+          __m256 a[8];
+          const __m256 q0 = _mm256_loadu_ps(qf + g * kD);
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, load8(kr[i]));
+          for (int c = 1; c < kC; ++c) {
+            const __m256 qc = _mm256_loadu_ps(qf + g * kD + 8 * c);
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qc, load8(kr[i] + 8 * c), a[i]);
+          }
+          _mm256_storeu_ps(scores + g * stride + start - first + j0, reduce8(a));  // past nk: overwritten or unused
         }
-        _mm256_storeu_ps(scores + g * stride + start - first + j0, reduce8(a));  // past nk: overwritten or unused
       }
     }
     start += n;
   }
-  for (int64_t g = 0; g < group; ++g) softmax8(scores + g * stride, len);  // per query head
+  for (int64_t g = 0; g < heads; ++g) softmax8(scores + g * stride, len);  // per query head
   for (int64_t start = first; start < seq_len;) {
     const int64_t n = std::min(block_size - start % block_size, seq_len - start);
-    const float* v = as_float(rows_of(start, 1), n);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* w = scores + g * stride + start - first;
-      for (int d0 = 0; d0 < kD; d0 += 8 * kV) {
-        __m256 a[kV];
-        for (int c = 0; c < kV; ++c) a[c] = _mm256_loadu_ps(acc + g * kD + d0 + 8 * c);
-        for (int64_t j = 0; j < n; ++j) {
-          const __m256 wj = _mm256_broadcast_ss(w + j);
-          for (int c = 0; c < kV; ++c)
-            a[c] = _mm256_fmadd_ps(wj, load8(v + j * kD + d0 + 8 * c), a[c]);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* v = as_float(rows_of(start, 1, h), n);
+      for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
+        const float* w = scores + g * stride + start - first;
+        for (int d0 = 0; d0 < kD; d0 += 8 * kV) {
+          __m256 a[kV];
+          for (int c = 0; c < kV; ++c) a[c] = _mm256_loadu_ps(acc + g * kD + d0 + 8 * c);
+          for (int64_t j = 0; j < n; ++j) {
+            const __m256 wj = _mm256_broadcast_ss(w + j);
+            for (int c = 0; c < kV; ++c)
+              a[c] = _mm256_fmadd_ps(wj, load8(v + j * kD + d0 + 8 * c), a[c]);
+          }
+          for (int c = 0; c < kV; ++c) _mm256_storeu_ps(acc + g * kD + d0 + 8 * c, a[c]);
         }
-        for (int c = 0; c < kV; ++c) _mm256_storeu_ps(acc + g * kD + d0 + 8 * c, a[c]);
       }
     }
     start += n;
@@ -675,21 +683,43 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
     return;
   }
 #endif
+#if defined(PDSERVE_DECODE_AVX2)
+  if constexpr (kD > 0 && kD % 8 == 0) {
+    // As the AVX-512 path: a request's kv heads in one task when there are enough requests to
+    // keep every thread busy (a block's K rows of all its heads are then one contiguous run),
+    // else one (request, kv head); one range of tasks of about equal work per thread.
+    // (Session 33, benchmarks/decode_attention_cpu.py, SmolLM2's heads: 48 x 450 fp32 1.84 ->
+    // 1.63-1.69 ms a call, bf16 1.85-1.90 -> 1.41-1.69; 8 x 2048 bf16 1.21 -> 0.99-1.03.)
+    const bool per_request = num_reqs >= 4 * at::get_num_threads();
+    const int64_t heads_per_task = per_request ? num_kv_heads : 1;
+    const int64_t tasks_per_req = num_kv_heads / heads_per_task;
+    const int64_t num_tasks = num_reqs * tasks_per_req;
+    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+    const std::vector<int64_t> bounds = balanced_ranges(num_tasks, parts, [&](int64_t i) {
+      const int64_t len = len_ptr[i / tasks_per_req];
+      return len - first_key(len, window) + kTaskOverhead;
+    });
+    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+      const FlushDenormals flush;
+      std::vector<float> work;  // per thread, reused across tasks
+      for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
+        const int64_t r = i / tasks_per_req, h0 = i % tasks_per_req * heads_per_task;
+        const int64_t head = h0 * group * head_dim;
+        decode_heads_avx2<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
+                                 first_key(len_ptr[r], window), len_ptr[r],
+                                 out_ptr + r * out_row + head, h0, h0 + heads_per_task,
+                                 num_kv_heads, group, block_size, static_cast<float>(scale), work);
+      }
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {
       const int64_t r = i / num_kv_heads, h = i % num_kv_heads;
       const int64_t head = h * group * head_dim;
-#if defined(PDSERVE_DECODE_AVX2)
-      if constexpr (kD > 0 && kD % 8 == 0) {
-        decode_one_avx2<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
-                               first_key(len_ptr[r], window), len_ptr[r],
-                               out_ptr + r * out_row + head, h, num_kv_heads, group, block_size,
-                               static_cast<float>(scale), work);
-        continue;
-      }
-#endif
       decode_one<T, kD>(q_ptr + r * q_row + head, cache_ptr, table_ptr + r * table_stride,
                         first_key(len_ptr[r], window), len_ptr[r], out_ptr + r * out_row + head, h,
                         num_kv_heads, group, block_size, head_dim, static_cast<float>(scale), work);

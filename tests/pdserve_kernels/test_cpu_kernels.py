@@ -206,14 +206,19 @@ def windowed_meta(tables, seq_lens, block_size, max_blocks):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hq,hkv,d", [(4, 1, 32), (6, 2, 48), (4, 1, 256)])
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_decode_kernel_sliding_window(ops, dtype, hq, hkv, d, block_size):
+@pytest.mark.parametrize("many", [False, True])
+def test_decode_kernel_sliding_window(ops, dtype, hq, hkv, d, block_size, many):
     """window > 0: each request attends to its last `window` positions only (the query at p
     sees keys in (p - window, p]), starting inside a block or on its boundary; on the AVX-512
-    path (head_dim 32, 256) and the generic one (48). The torch path's windowed bias agrees."""
+    path (head_dim 32, 256) and the generic one (48). The torch path's windowed bias agrees.
+    many: enough requests that a task takes all of a request's kv heads (AVX-512 and AVX2)."""
     g = torch.Generator().manual_seed(hq * 1000 + d + block_size)
     seq_lens = [1, 5, block_size, block_size + 3, 40, 170]
+    if many:
+        seq_lens += [3, 17, 33, 64, 65, 90, 129, 150]
     max_blocks = -(-max(seq_lens) // block_size)
-    cache, tables = paged_cache(seq_lens, 64, hkv, block_size, d, dtype, g)
+    num_blocks = 1 + sum(-(-n // block_size) for n in seq_lens)
+    cache, tables = paged_cache(seq_lens, num_blocks, hkv, block_size, d, dtype, g)
     q = torch.randn(len(seq_lens), hq, d, generator=g).to(dtype)
     lens = torch.tensor(seq_lens)
     scale = d**-0.5
