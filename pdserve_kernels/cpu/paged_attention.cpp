@@ -618,6 +618,33 @@ std::vector<int64_t> balanced_ranges(int64_t n, int64_t parts, Cost cost) {
 // A task's fixed cost in context positions (query load, output store, scheduling).
 constexpr int64_t kTaskOverhead = 16;
 
+// How the vector decode paths split a batch: a task is a request (all its kv heads, read block
+// by block: a block's K rows of all its heads are one contiguous run) when there are enough
+// requests to keep every thread busy, else one (request, kv head); then one contiguous range
+// of tasks per thread, of about equal work (context lengths vary within a batch, and equal task
+// counts can leave one thread waiting on the other). Thread p runs tasks [bounds[p],
+// bounds[p + 1]); task i is request i / tasks_per_req, kv heads from
+// i % tasks_per_req * heads_per_task.
+struct DecodeSplit {
+  bool per_request;
+  int64_t heads_per_task, tasks_per_req, parts;
+  std::vector<int64_t> bounds;
+};
+
+inline DecodeSplit split_decode(int64_t num_reqs, int64_t num_kv_heads, const int64_t* len_ptr,
+                                int64_t window) {
+  const bool per_request = num_reqs >= 4 * at::get_num_threads();
+  const int64_t heads_per_task = per_request ? num_kv_heads : 1;
+  const int64_t tasks_per_req = num_kv_heads / heads_per_task;
+  const int64_t num_tasks = num_reqs * tasks_per_req;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> bounds = balanced_ranges(num_tasks, parts, [&](int64_t i) {
+    const int64_t len = len_ptr[i / tasks_per_req];
+    return len - first_key(len, window) + kTaskOverhead;
+  });
+  return {per_request, heads_per_task, tasks_per_req, parts, std::move(bounds)};
+}
+
 template <typename T, int kD>
 void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
             const torch::Tensor& seq_lens, torch::Tensor& out, double scale, int64_t window) {
@@ -633,29 +660,18 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
   const int64_t q_row = q.stride(0), out_row = out.stride(0);  // heads are packed within a row
 #if defined(__AVX512F__)
   if constexpr (kD > 0 && kD % 16 == 0) {
-    // A task is a request (all its kv heads, read block by block) when there are enough of
-    // them to keep every thread busy, else one (request, kv head).
-    const bool per_request = num_reqs >= 4 * at::get_num_threads();
-    const int64_t heads_per_task = per_request ? num_kv_heads : 1;
-    const int64_t tasks_per_req = num_kv_heads / heads_per_task;
-    // One contiguous range of tasks per thread, of about equal work: context lengths vary
-    // within a batch, and equal task counts can leave one thread waiting on the other.
-    const int64_t num_tasks = num_reqs * tasks_per_req;
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-    const std::vector<int64_t> bounds = balanced_ranges(
-        num_tasks, parts, [&](int64_t i) {
-          const int64_t len = len_ptr[i / tasks_per_req];
-          return len - first_key(len, window) + kTaskOverhead;
-        });
+    const DecodeSplit split = split_decode(num_reqs, num_kv_heads, len_ptr, window);
+    const int64_t heads_per_task = split.heads_per_task, tasks_per_req = split.tasks_per_req;
+    const std::vector<int64_t>& bounds = split.bounds;
     // bf16 with AMX, one kv head a task: q . k on the tile unit (scores_tiles), where tiles
     // of 16 keys sit in one block and a group's heads fit one tile's 16 columns. (With all
     // heads in a task, the AVX-512 dot products measured as fast.)
     bool tiles_qk = false;
 #if defined(PDSERVE_AMX)
     if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0)
-      tiles_qk = !per_request && group <= 16 && block_size % 16 == 0 && amx_granted();
+      tiles_qk = !split.per_request && group <= 16 && block_size % 16 == 0 && amx_granted();
 #endif
-    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    at::parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
       auto run = [&](auto tiles) {
@@ -685,21 +701,13 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
 #endif
 #if defined(PDSERVE_DECODE_AVX2)
   if constexpr (kD > 0 && kD % 8 == 0) {
-    // As the AVX-512 path: a request's kv heads in one task when there are enough requests to
-    // keep every thread busy (a block's K rows of all its heads are then one contiguous run),
-    // else one (request, kv head); one range of tasks of about equal work per thread.
-    // (Session 33, benchmarks/decode_attention_cpu.py, SmolLM2's heads: 48 x 450 fp32 1.84 ->
-    // 1.63-1.69 ms a call, bf16 1.85-1.90 -> 1.41-1.69; 8 x 2048 bf16 1.21 -> 0.99-1.03.)
-    const bool per_request = num_reqs >= 4 * at::get_num_threads();
-    const int64_t heads_per_task = per_request ? num_kv_heads : 1;
-    const int64_t tasks_per_req = num_kv_heads / heads_per_task;
-    const int64_t num_tasks = num_reqs * tasks_per_req;
-    const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-    const std::vector<int64_t> bounds = balanced_ranges(num_tasks, parts, [&](int64_t i) {
-      const int64_t len = len_ptr[i / tasks_per_req];
-      return len - first_key(len, window) + kTaskOverhead;
-    });
-    at::parallel_for(0, parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    // Split as the AVX-512 path (split_decode). (Session 33, benchmarks/decode_attention_cpu.py,
+    // SmolLM2's heads: 48 x 450 fp32 1.84 -> 1.63-1.69 ms a call, bf16 1.85-1.90 -> 1.41-1.69;
+    // 8 x 2048 bf16 1.21 -> 0.99-1.03.)
+    const DecodeSplit split = split_decode(num_reqs, num_kv_heads, len_ptr, window);
+    const int64_t heads_per_task = split.heads_per_task, tasks_per_req = split.tasks_per_req;
+    const std::vector<int64_t>& bounds = split.bounds;
+    at::parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
       for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
