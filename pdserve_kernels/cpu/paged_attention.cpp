@@ -858,30 +858,36 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
                              c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL, as torch's own operators do: a serving node's asyncio
+  // thread (receiving requests, sending tokens) then runs while the engine thread computes.
+  // (Session 34, SmolLM2 fp32 served aggregated, 40 x 256 + 64 at 8 in flight, our client,
+  // alternating, 2 runs a server start: 83.1-83.4 -> 83.8-85.6 tok/s, TTFT p50 1.17 -> 1.14 s.)
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged attention for single-token queries (CPU); window > 0: the last window positions",
         py::arg("q"), py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0);
+        py::arg("window") = 0, no_gil);
   m.def("paged_decode_attention_out", &paged_decode_attention_out,
         "paged_decode_attention into out (q and out may be row-strided views)", py::arg("q"),
         py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("out"), py::arg("window") = 0);
+        py::arg("out"), py::arg("window") = 0, no_gil);
   m.def("paged_prefill_attention_out", &paged_prefill_attention_out,
         "causal attention of every prefill's query rows over its paged context, into out's rows",
         py::arg("q"), py::arg("cache"), py::arg("query_start"), py::arg("query_len"),
         py::arg("context_len"), py::arg("block_tables"), py::arg("scale"), py::arg("out"),
-        py::arg("window") = 0);
-  m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)");
+        py::arg("window") = 0, no_gil);
+  m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)", no_gil);
   m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "residual += x, then x = RMSNorm(residual), both in place");
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place");
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]");
-  m.def("argmax_rows", &argmax_rows, "row-wise argmax of a float32 matrix (torch.argmax's answer)");
+        "residual += x, then x = RMSNorm(residual), both in place", no_gil);
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]", no_gil);
+  m.def("argmax_rows", &argmax_rows,
+        "row-wise argmax of a float32 matrix (torch.argmax's answer)", no_gil);
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
   m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] bf16 in linear_small_m's layout");
   m.def("linear_small_m", &linear_small_m, "x W^T (+ b): AMX bf16 few rows, or AVX2", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
   m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
         "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
   m.def("linear_small_m_available", &linear_small_m_available,

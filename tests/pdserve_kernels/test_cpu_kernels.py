@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -433,3 +435,39 @@ def test_argmax_rows_is_torch_argmax(ops, n):
     assert torch.equal(sampler.argmax_rows(half, ops), half.argmax(-1))
     with pytest.raises(RuntimeError, match="float32"):
         ops.argmax_rows(x.double())
+
+
+def test_kernels_run_without_the_gil(ops):
+    """Another Python thread runs while a kernel computes (a serving node's asyncio thread
+    during the engine's step), as it does during torch's own operators. With a switch interval
+    of 0.5 s the spinning thread only gets the GIL inside the call if the call released it."""
+    import sys
+    import threading
+
+    x = torch.ones(8192, 4096)
+    w = torch.ones(4096)
+    spins = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    thread = threading.Thread(target=spin, daemon=True)
+    try:
+        thread.start()
+        while spins[0] == 0:
+            time.sleep(0.001)
+        time.sleep(0.001)  # back from a sleep: the spinner's wait for the GIL starts over
+        before = spins[0]
+        out = ops.rms_norm(x, w, 1e-5)
+        during = spins[0] - before  # before out is freed (torch frees without the GIL)
+    finally:
+        stop.set()
+        sys.setswitchinterval(old)
+        thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert during > 0, "the spinning thread never ran: rms_norm held the GIL"
+    torch.testing.assert_close(out[:2], torch_rms_norm(x[:2], w, 1e-5))
