@@ -151,8 +151,10 @@ inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top ha
 // bf16 K/V widened once per block into a float buffer (4 KiB for 16 x 64) that every query
 // head of the group then reads from L1, instead of widening each row once per query head. 1.3-1.55x decode_one in fp32 (4 x 7680 and 48 x 450 contexts, SmolLM2's
 // heads) and at 48 x 450 in bf16, ~1.1x at 4 x 7680 in bf16 (benchmarks/decode_attention_cpu.py).
-// Prefetching the next block's rows of the head, as the AVX-512 path does, measured slower
-// here (2.08 vs 1.68-1.85 ms a call at 4 x 7680 bf16).
+// The next block's rows of a head are prefetched while the same head's rows of this block are
+// read (session 34, benchmarks/decode_attention_cpu.py, medians of 3 alternating runs, old ->
+// new ms a call: fp32 48 x 450 1.74 -> 1.55, 4 x 7680 2.77 -> 2.57; bf16 48 x 450 1.39 -> 1.26,
+// 4 x 7680 2.73 -> 2.50; the small preset's heads, fp32 48 x 216: 0.93-0.96 -> 0.83).
 template <typename T, int kD>
 void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t first,
                        int64_t seq_len, T* out, int64_t h0, int64_t h1, int64_t num_kv_heads,
@@ -195,10 +197,17 @@ void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t
   };
   for (int64_t start = first; start < seq_len;) {
     const int64_t n = std::min(block_size - start % block_size, seq_len - start);
+    // The next block's K rows of the head, 8 rows a step ahead of these (from memory: the
+    // blocks of a sequence lie anywhere, and the hardware prefetcher stops at each jump).
+    const bool ahead = start + n < seq_len;
     for (int64_t h = h0; h < h1; ++h) {
       const float* k = as_float(rows_of(start, 0, h), n);
+      const char* next = ahead ? reinterpret_cast<const char*>(rows_of(start + n, 0, h)) : nullptr;
       for (int64_t j0 = 0; j0 < n; j0 += 8) {
         const int64_t nk = std::min<int64_t>(8, n - j0);
+        if (next != nullptr)
+          for (int64_t l = 0; l < 8 * kD * int64_t{sizeof(T)}; l += 64)
+            _mm_prefetch(next + j0 * kD * int64_t{sizeof(T)} + l, _MM_HINT_T0);
         const float* kr[8];
         for (int64_t i = 0; i < 8; ++i) kr[i] = k + (j0 + std::min(i, nk - 1)) * kD;  // tail: repeats
         for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
@@ -218,8 +227,14 @@ void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t
   for (int64_t g = 0; g < heads; ++g) softmax8(scores + g * stride, len);  // per query head
   for (int64_t start = first; start < seq_len;) {
     const int64_t n = std::min(block_size - start % block_size, seq_len - start);
+    const bool ahead = start + n < seq_len;  // the next block's V rows of the head, as for K
     for (int64_t h = h0; h < h1; ++h) {
       const float* v = as_float(rows_of(start, 1, h), n);
+      if (ahead) {
+        const char* next = reinterpret_cast<const char*>(rows_of(start + n, 1, h));
+        for (int64_t l = 0; l < block_size * kD * int64_t{sizeof(T)}; l += 64)
+          _mm_prefetch(next + l, _MM_HINT_T0);
+      }
       for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
         const float* w = scores + g * stride + start - first;
         for (int d0 = 0; d0 < kD; d0 += 8 * kV) {
