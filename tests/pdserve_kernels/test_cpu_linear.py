@@ -137,3 +137,28 @@ def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
         layer(x).double(), reference(x, layer.weight, layer.bias), rtol=2**-7, atol=0.05
     )
     assert calls == kernel_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [200, 24, 40, 960])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype, n):
+    """AVX2 path: every row's sums run over k in order, whatever pass takes it (full passes of
+    6 fp32 / 4 bf16 rows or the shorter pass of the rows left over): the same bits as the row
+    multiplied alone, and the float64 product within rounding. (A request's logits must not
+    change with the batch it decodes in; any faster split of the rows must keep this.)"""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 96, generator=g).to(dtype)
+    try:
+        packed = ops.pack_linear_weight(w)
+    except RuntimeError as e:  # the AMX build: bf16 on tiles, float32 refused
+        assert "bf16" in str(e)
+        pytest.skip("AVX2 path only")
+    bias = torch.randn(n, generator=g).to(dtype)
+    for rows in (5, 6, 7, 8, 13, 14):
+        x = torch.randn(rows, 96, generator=g).to(dtype)
+        out = ops.linear_small_m(x, packed, n, bias)
+        for i in range(rows):
+            alone = ops.linear_small_m(x[i : i + 1].contiguous(), packed, n, bias)
+            assert torch.equal(out[i], alone[0]), (rows, i)
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-2)
+        torch.testing.assert_close(out.double(), reference(x, w, bias), **tol)
