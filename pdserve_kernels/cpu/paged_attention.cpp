@@ -874,9 +874,10 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own operators do: a serving node's asyncio
-  // thread (receiving requests, sending tokens) then runs while the engine thread computes.
-  // (Session 34, SmolLM2 fp32 served aggregated, 40 x 256 + 64 at 8 in flight, our client,
-  // alternating, 2 runs a server start: 83.1-83.4 -> 83.8-85.6 tok/s, TTFT p50 1.17 -> 1.14 s.)
+  // thread (receiving requests, sending tokens) can then run on a spare core while the engine
+  // thread computes. On a 2-core machine running 2 compute threads there is no spare core, and
+  // A/Bs there disagreed (session 34, SmolLM2 fp32 served: +2% by one method, -3 to -4% by two
+  // others; README, the AVX2 list).
   const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged attention for single-token queries (CPU); window > 0: the last window positions",
