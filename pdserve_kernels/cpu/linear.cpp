@@ -53,39 +53,6 @@ constexpr int kTileRows = 16;       // rows of x per A tile
 #define PDSERVE_LINEAR_AVX2 1
 constexpr int64_t kPanelCols = 16;  // output columns per panel (two 8-float vectors)
 
-// 8 bf16 -> 8 floats (bf16 is the top half of an fp32).
-inline __m256 widen8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// The first `lanes` of v rounded to bf16 (nearest even) at p.
-inline void store8(c10::BFloat16* p, __m256 v, int lanes) {
-  __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m128i packed =
-      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
-  if (lanes == 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-  } else {
-    alignas(16) uint16_t tmp[8];
-    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
-    std::memcpy(p, tmp, 2 * lanes);
-  }
-}
-
-inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline void store8(float* p, __m256 v, int lanes) {  // float32 outputs: no rounding
-  if (lanes == 8) {
-    _mm256_storeu_ps(p, v);
-  } else {
-    alignas(32) float tmp[8];
-    _mm256_store_ps(tmp, v);
-    std::memcpy(p, tmp, 4 * lanes);
-  }
-}
 
 // How many k steps ahead of the loop the panel is prefetched (fp32: 32 lines, 2 KiB; bf16: 1 KiB),
 // across the panel's end into the next one (panels lie one after another; a prefetch past the

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -124,6 +125,56 @@ inline __m256 exp8(__m256 x) {
   const __m256i e = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// 8 bf16 -> 8 floats (bf16 is the top half of an fp32).
+inline __m256 widen8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+
+// v's lanes rounded to bf16 (nearest even; NaN is not expected), each in the low 16 bits of its
+// 32-bit lane.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+}
+
+// v as a bf16 store would leave it (float32: unchanged).
+template <typename T>
+inline __m256 round8(__m256 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+  }
+}
+
+// The first `lanes` of v rounded to bf16 (nearest even) at p.
+inline void store8(c10::BFloat16* p, __m256 v, int lanes) {
+  const __m256i bits = bf16_bits8(v);
+  const __m128i packed =
+      _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  if (lanes == 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  } else {
+    alignas(16) uint16_t tmp[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(tmp), packed);
+    std::memcpy(p, tmp, 2 * lanes);
+  }
+}
+
+inline void store8(float* p, __m256 v, int lanes) {  // float32 outputs: no rounding
+  if (lanes == 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    alignas(32) float tmp[8];
+    _mm256_store_ps(tmp, v);
+    std::memcpy(p, tmp, 4 * lanes);
+  }
 }
 
 inline float hmax8(__m256 v) {
