@@ -183,7 +183,7 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  // With the vector loop a row of SmolLM2's MLP (d 1536) takes ~0.5 us, so decode-sized calls
+  // With the vector loop a row of SmolLM2's MLP (d 1536) takes ~1 us, so decode-sized calls
   // stay on the calling thread: waking the second one cost more than the work (AMD Zen 3, 8
   // rows: 36 us on two threads with idle workers asleep vs 24 us on one before the AVX2 loop).
   const int64_t grain = kSiluVector ? std::max<int64_t>(1, 65536 / d) : grain_rows(3 * d);

@@ -53,7 +53,6 @@ constexpr int kTileRows = 16;       // rows of x per A tile
 #define PDSERVE_LINEAR_AVX2 1
 constexpr int64_t kPanelCols = 16;  // output columns per panel (two 8-float vectors)
 
-
 // How many k steps ahead of the loop the panel is prefetched (fp32: 32 lines, 2 KiB; bf16: 1 KiB),
 // across the panel's end into the next one (panels lie one after another; a prefetch past the
 // weight's end is harmless). The hardware prefetcher alone left 1-8-row products at ~26-28 GB/s

@@ -138,12 +138,6 @@ inline __m256 reduce8(const __m256* v) {
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // 8 bf16 -> 8 floats (the top halves)
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // decode_one on AVX2 + FMA (e.g. AMD Zen 3, no AVX-512), for a range of kv heads (all of a
 // request's when there are many requests, see decode()): the same two passes, with q . k taken
 // 8 keys at a time (8 accumulators, one q vector load per 8 K vectors, one 8-way horizontal
@@ -179,7 +173,7 @@ void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t
   // n rows of the block as floats: the cache itself (float32) or `wide`, widened once.
   auto as_float = [&](const T* rows, int64_t n) -> const float* {
     if constexpr (kWiden) {
-      for (int64_t i = 0; i < n * kD; i += 8) _mm256_storeu_ps(wide + i, load8(rows + i));
+      for (int64_t i = 0; i < n * kD; i += 8) _mm256_storeu_ps(wide + i, widen8(rows + i));
       return wide;
     } else {
       return rows;
@@ -213,10 +207,10 @@ void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t
         for (int64_t g = (h - h0) * group; g < (h - h0 + 1) * group; ++g) {
           __m256 a[8];
           const __m256 q0 = _mm256_loadu_ps(qf + g * kD);
-          for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, load8(kr[i]));
+          for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(q0, widen8(kr[i]));
           for (int c = 1; c < kC; ++c) {
             const __m256 qc = _mm256_loadu_ps(qf + g * kD + 8 * c);
-            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qc, load8(kr[i] + 8 * c), a[i]);
+            for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(qc, widen8(kr[i] + 8 * c), a[i]);
           }
           _mm256_storeu_ps(scores + g * stride + start - first + j0, reduce8(a));  // past nk: overwritten or unused
         }
@@ -243,7 +237,7 @@ void decode_heads_avx2(const T* q, const T* cache, const int64_t* table, int64_t
           for (int64_t j = 0; j < n; ++j) {
             const __m256 wj = _mm256_broadcast_ss(w + j);
             for (int c = 0; c < kV; ++c)
-              a[c] = _mm256_fmadd_ps(wj, load8(v + j * kD + d0 + 8 * c), a[c]);
+              a[c] = _mm256_fmadd_ps(wj, widen8(v + j * kD + d0 + 8 * c), a[c]);
           }
           for (int c = 0; c < kV; ++c) _mm256_storeu_ps(acc + g * kD + d0 + 8 * c, a[c]);
         }
