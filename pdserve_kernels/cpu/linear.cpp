@@ -22,14 +22,19 @@
 // measured no faster at 17-64 rows. Sums are fp32, rounded to bf16 once (+ bias in
 // fp32 first), as oneDNN does; its accumulation order differs (results may differ by an ulp).
 //
-// Without AMX (an AVX2 + FMA CPU such as AMD Zen 3, which has no bf16 arithmetic at all: torch's
-// bf16 F.linear ran at 0.4 GB/s of weights at one row there, and oneDNN refuses to pack bf16) the
+// For float32 weights on every AVX2 + FMA CPU (AMX is bf16 only), and for bf16 ones without
+// AMX (an AVX2 + FMA CPU such as AMD Zen 3, which has no bf16 arithmetic at all: torch's bf16
+// F.linear ran at 0.4 GB/s of weights at one row there, and oneDNN refuses to pack bf16) the
 // same two functions take another layout and loop: W^T as [N'/16][K][16] bf16 (N' a multiple of
 // 16) or float32, one 32-byte load per k (bf16: widened to two 8-float vectors by a shift),
 // times up to 6 rows of x (widened to fp32 once per call) broadcast, into 12 fp32 accumulators;
 // a 16-column panel stays in L1/L2 while every row block passes over it, prefetched ahead of
 // the first. A bf16 panel met by 64 or more rows is widened into a float buffer once per call,
-// so the passes do not widen again (and have the registers for 6 rows).
+// so the passes do not widen again (and have the registers for 6 rows). With AVX-512, float32
+// panels go through a zmm loop instead (two panels x 12 rows a pass: linear_panels_512), which
+// on an Intel Sapphire/Emerald Rapids ran SmolLM2's projections 1.4-1.9x oneDNN's speed at
+// 1-48 rows (18-23 GB/s of weights at 1-12 rows against oneDNN's 10-15; 175 vs 120 GFLOP/s at
+// 48) and 1.07-1.2x at 64-128 (benchmarks/small_rows_linear.py --dtype float32).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -49,7 +54,7 @@ constexpr int64_t kGroupCols = 64;  // output columns per group: 4 accumulator t
 constexpr int64_t kStepK = 32;      // K per tile multiply (16 bf16 pairs)
 constexpr int kTileRows = 16;       // rows of x per A tile
 
-#if !defined(PDSERVE_AMX) && defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__)
 #define PDSERVE_LINEAR_AVX2 1
 constexpr int64_t kPanelCols = 16;  // output columns per panel (two 8-float vectors)
 
@@ -87,6 +92,7 @@ __attribute__((noinline)) void panel_rows(const float* xf, int64_t k, const P* p
       });
 }
 
+
 // All m rows times one panel, Block rows per pass, the rest in one shorter pass.
 template <int Block, typename P, typename O>
 void panel_all_rows(const float* xf, int64_t m, int64_t k, const P* panel, const float* bias16,
@@ -115,6 +121,93 @@ constexpr int64_t kCopyPanelRows = 64;
 
 // Rows of x per block in the many-row products of prefill (3 MiB of x at K 768: in L3).
 constexpr int64_t kRowBlock = 1024;
+
+#if defined(__AVX512F__)
+// With AVX-512 (float32 panels only): two panels side by side, each k step one zmm register
+// of each, times R rows of x, each broadcast once into a register and used by both: 2R
+// accumulators (32 zmm registers: room for 12 rows). A loop over one panel with the rows
+// broadcast from memory took a load per FMA and fell to 0.8x oneDNN from 32 rows; the
+// ymm loop above has room for 6 rows and half the lanes. Cols: of the pair, Panels: 1 or 2.
+template <int R, int Panels>
+__attribute__((noinline)) void panel_rows512(const float* xf, int64_t k, const float* panel,
+                                             const float* bias, float* out, int64_t n,
+                                             int64_t r0, int64_t c0, int64_t cols) {
+  const float* panel1 = panel + k * kPanelCols;  // the next panel (Panels == 2)
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const float* xr = xf + r0 * k;
+  for (int64_t kk = 0; kk < k; ++kk) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (kk + kAheadSteps) * kPanelCols),
+                 _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(panel + kk * kPanelCols);
+    __m512 w1 = w0;
+    if constexpr (Panels == 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel1 + (kk + kAheadSteps) * kPanelCols),
+                   _MM_HINT_T0);
+      w1 = _mm512_loadu_ps(panel1 + kk * kPanelCols);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xr[r * k + kk]);
+      acc0[r] = _mm512_fmadd_ps(xv, w0, acc0[r]);
+      if constexpr (Panels == 2) acc1[r] = _mm512_fmadd_ps(xv, w1, acc1[r]);
+    }
+  }
+  const int64_t cols0 = std::min<int64_t>(kPanelCols, cols);
+  const __mmask16 lanes0 = static_cast<__mmask16>((1u << cols0) - 1);
+  const __mmask16 lanes1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, cols - 16)) - 1);
+  const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    float* o = out + (r0 + r) * n + c0;
+    _mm512_mask_storeu_ps(o, lanes0, _mm512_add_ps(acc0[r], b0));
+    if constexpr (Panels == 2) _mm512_mask_storeu_ps(o + 16, lanes1, _mm512_add_ps(acc1[r], b1));
+  }
+}
+
+// The last rows (fewer than Block) of one or two panels.
+template <int Block, int Panels, int R = 1>
+void panel_rest512(const float* xf, int64_t rest, int64_t k, const float* panel,
+                   const float* bias, float* out, int64_t n, int64_t r0, int64_t c0,
+                   int64_t cols) {
+  if constexpr (R < Block) {
+    if (rest == R) return panel_rows512<R, Panels>(xf, k, panel, bias, out, n, r0, c0, cols);
+    panel_rest512<Block, Panels, R + 1>(xf, rest, k, panel, bias, out, n, r0, c0, cols);
+  }
+}
+
+constexpr int kBlock512 = 12;
+
+// Panels [p0, p1) of a float32 weight for all m rows, two at a time.
+void linear_panels_512(const float* xf, int64_t m, const float* packed, int64_t k, int64_t n,
+                       const float* bias, float* out, int64_t p0, int64_t p1) {
+  alignas(64) float bias32[2 * kPanelCols];
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, m - r0);
+    const float* xb = xf + r0 * k;
+    float* ob = out + r0 * n;
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool pair = p + 1 < p1;
+      const int64_t c0 = p * kPanelCols;
+      const int64_t cols = std::min((pair ? 2 : 1) * kPanelCols, n - c0);
+      for (int64_t c = 0; c < 2 * kPanelCols; ++c)
+        bias32[c] = bias != nullptr && c < cols ? bias[c0 + c] : 0.f;
+      const float* panel = packed + p * k * kPanelCols;
+      int64_t r = 0;
+      if (pair) {
+        for (; r + kBlock512 <= rows; r += kBlock512)
+          panel_rows512<kBlock512, 2>(xb, k, panel, bias32, ob, n, r, c0, cols);
+        panel_rest512<kBlock512, 2>(xb, rows - r, k, panel, bias32, ob, n, r, c0, cols);
+      } else {
+        for (; r + kBlock512 <= rows; r += kBlock512)
+          panel_rows512<kBlock512, 1>(xb, k, panel, bias32, ob, n, r, c0, cols);
+        panel_rest512<kBlock512, 1>(xb, rows - r, k, panel, bias32, ob, n, r, c0, cols);
+      }
+    }
+  }
+}
+#endif
 
 // Panels [p0, p1) for all m rows.
 template <typename W>
@@ -219,10 +312,10 @@ void linear_groups(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BF
 #endif
 }  // namespace
 
+// Whether linear_small_m runs here at all: float32 (and, without AMX, bf16) on any AVX2 + FMA
+// CPU; bf16 on an AMX build only where the OS grants AMX (pack_linear_weight refuses it else).
 bool linear_small_m_available() {
-#if defined(PDSERVE_AMX)
-  return amx_granted();
-#elif defined(PDSERVE_LINEAR_AVX2)
+#if defined(PDSERVE_LINEAR_AVX2)
   return true;
 #else
   return false;
@@ -244,15 +337,24 @@ bool linear_small_m_all_rows() {
 }
 
 torch::Tensor pack_linear_weight(torch::Tensor w) {
-#if defined(PDSERVE_LINEAR_AVX2)
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kBFloat16 ||
                                w.scalar_type() == torch::kFloat32),
               "w must be bf16 or float32 [N, K]");
-#else
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kBFloat16, "w must be bf16 [N, K]");
-#endif
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kStepK == 0, "K must be a multiple of 32");
+#if defined(PDSERVE_AMX)
+  if (w.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(amx_granted(), "the OS does not grant AMX to this process");
+    const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
+    // [N', K] -> [groups, 4 blocks, 16 cols, K/32, 16 pairs, 2] -> [groups, 4, K/32, 16, 16, 2]
+    auto padded = torch::zeros({groups * kGroupCols, k}, w.options());
+    padded.narrow(0, 0, n).copy_(w);
+    return padded.view({groups, 4, 16, k / kStepK, 16, 2})
+        .permute({0, 1, 3, 4, 2, 5})
+        .contiguous()
+        .view({-1});
+  }
+#endif
 #if defined(PDSERVE_LINEAR_AVX2)
   // [N', K] -> [panels, 16 cols, K] -> [panels, K, 16 cols]
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
@@ -260,48 +362,43 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
   padded.narrow(0, 0, n).copy_(w);
   return padded.view({panels, kPanelCols, k}).transpose(1, 2).contiguous().view({-1});
 #else
-  const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
-  // [N', K] -> [groups, 4 blocks, 16 cols, K/32, 16 pairs, 2] -> [groups, 4, K/32, 16, 16, 2]
-  auto padded = torch::zeros({groups * kGroupCols, k}, w.options());
-  padded.narrow(0, 0, n).copy_(w);
-  return padded.view({groups, 4, 16, k / kStepK, 16, 2})
-      .permute({0, 1, 3, 4, 2, 5})
-      .contiguous()
-      .view({-1});
+  TORCH_CHECK(false, "linear_small_m needs AVX2 + FMA (see linear_small_m_available)");
 #endif
 }
 
 torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
                              c10::optional<torch::Tensor> bias) {
 #if defined(PDSERVE_AMX)
-  TORCH_CHECK(linear_small_m_available(), "the OS does not grant AMX to this process");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
-              "x must be bf16 [M, K] with contiguous rows");
-  const int64_t m = x.size(0), k = x.size(1);
-  const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
-  TORCH_CHECK(m >= 1, "x has no rows");
-  TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
-                  packed.scalar_type() == torch::kBFloat16 &&
-                  packed.numel() == groups * kGroupCols * k,
-              "packed is not pack_linear_weight's of an [n, K] weight");
-  const c10::BFloat16* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
-                    bias->numel() == n,
-                "bias must be contiguous bf16 [n]");
-    b = bias->data_ptr<c10::BFloat16>();
+  if (x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16) {
+    TORCH_CHECK(amx_granted(), "the OS does not grant AMX to this process");
+    TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be bf16 [M, K] with contiguous rows");
+    const int64_t m = x.size(0), k = x.size(1);
+    const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
+    TORCH_CHECK(m >= 1, "x has no rows");
+    TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
+                    packed.scalar_type() == torch::kBFloat16 &&
+                    packed.numel() == groups * kGroupCols * k,
+                "packed is not pack_linear_weight's of an [n, K] weight");
+    const c10::BFloat16* b = nullptr;
+    if (bias.has_value() && bias->defined()) {
+      TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+                      bias->numel() == n,
+                  "bias must be contiguous bf16 [n]");
+      b = bias->data_ptr<c10::BFloat16>();
+    }
+    auto out = torch::empty({m, n}, x.options());
+    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+    // Groups per task: at least 64 KiB of W, so waking the second thread pays off.
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kGroupCols * k * 2));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      linear_groups(xp, x.stride(0), m, wp, k, n, b, op, g0, g1);
+    });
+    return out;
   }
-  auto out = torch::empty({m, n}, x.options());
-  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  // Groups per task: at least 64 KiB of W, so waking the second thread pays off.
-  const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kGroupCols * k * 2));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    linear_groups(xp, x.stride(0), m, wp, k, n, b, op, g0, g1);
-  });
-  return out;
-#elif defined(PDSERVE_LINEAR_AVX2)
+#endif
+#if defined(PDSERVE_LINEAR_AVX2)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type() &&
                   (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
               "x must be bf16 or float32 [M, K] with contiguous rows, in packed's dtype");
@@ -343,6 +440,10 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
     // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
     at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<W, float>)
+        return linear_panels_512(xrows, m, wp, k, n, b, op, p0, p1);
+#endif
       linear_panels_avx2<W>(xrows, m, wp, k, n, b, op, p0, p1);
     });
   };
@@ -350,6 +451,6 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
   else run(c10::BFloat16{});
   return out;
 #else
-  TORCH_CHECK(false, "linear_small_m needs AMX or AVX2 (see linear_small_m_available)");
+  TORCH_CHECK(false, "linear_small_m needs AVX2 + FMA (see linear_small_m_available)");
 #endif
 }

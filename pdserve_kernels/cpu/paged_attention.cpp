@@ -895,11 +895,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "row-wise argmax of a float32 matrix (torch.argmax's answer)", no_gil);
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
-  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] bf16 in linear_small_m's layout");
-  m.def("linear_small_m", &linear_small_m, "x W^T (+ b): AMX bf16 few rows, or AVX2", py::arg("x"),
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] (bf16 or float32) in linear_small_m's layout");
+  m.def("linear_small_m", &linear_small_m, "x W^T (+ b), few rows: bf16 on AMX, else AVX2 / AVX-512 loops", py::arg("x"),
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
   m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
         "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
   m.def("linear_small_m_available", &linear_small_m_available,
-        "whether linear_small_m runs here (built for AMX and granted by the OS)");
+        "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
 }

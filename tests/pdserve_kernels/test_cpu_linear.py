@@ -41,24 +41,22 @@ def test_matches_a_float64_product_rounded_once(ops, rows, n, k, with_bias):
     assert (err <= want.abs() * 2**-8 + 1e-3 * k**0.5).all(), err.max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 8, 9, 13, 48, 1100])
-def test_float32_where_the_build_takes_it(ops, rows):
-    """The AVX2 build multiplies float32 weights too (float32 models' decode steps); the AMX
-    build refuses them (bf16 only), and the model then keeps oneDNN / F.linear."""
-    g = torch.Generator().manual_seed(rows)
-    w, bias = torch.randn(200, 96, generator=g), torch.randn(200, generator=g)
-    try:
-        packed = ops.pack_linear_weight(w)
-    except RuntimeError as e:
-        assert "bf16" in str(e)
-        assert llama.pack_small_rows(w) is None
-        return
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 8, 9, 11, 12, 13, 24, 25, 48, 1100])
+@pytest.mark.parametrize("n", [200, 16, 24, 40])
+def test_float32_on_every_build(ops, rows, n):
+    """Every build the kernel runs on multiplies float32 weights (float32 models' decode steps):
+    AVX2's ymm loop, or with AVX-512 two panels x 12 rows a pass (n: an odd number of 16-column
+    panels, one, a pair whose second is partial, three); x in another dtype is refused."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w, bias = torch.randn(n, 96, generator=g), torch.randn(n, generator=g)
+    packed = ops.pack_linear_weight(w)
+    assert llama.pack_small_rows(w) is not None
     x = torch.randn(rows, 96, generator=g)
-    out = ops.linear_small_m(x, packed, 200, bias)
-    assert out.dtype == torch.float32
+    out = ops.linear_small_m(x, packed, n, bias)
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
     torch.testing.assert_close(out.double(), reference(x, w, bias), rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="dtype"):
-        ops.linear_small_m(x.bfloat16(), packed, 200)
+        ops.linear_small_m(x.bfloat16(), packed, n)
 
 
 def test_strided_rows_and_a_view_of_a_wider_tensor(ops):
@@ -72,14 +70,10 @@ def test_strided_rows_and_a_view_of_a_wider_tensor(ops):
 
 def test_float32_rows_read_in_place_or_copied_when_strided(ops):
     """Float32 x with rows K apart is read as it is; a view of a wider tensor is packed first:
-    both give the product (AVX2 builds; the AMX build takes no float32)."""
+    both give the product."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(40, 64, generator=g)
-    try:
-        packed = ops.pack_linear_weight(w)
-    except RuntimeError as e:
-        assert "bf16" in str(e)
-        return
+    packed = ops.pack_linear_weight(w)
     wide = torch.randn(7, 96, generator=g)
     for x in (wide[:, :64], wide[:, :64].contiguous()):
         out = ops.linear_small_m(x, packed, 40)
@@ -142,19 +136,16 @@ def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [200, 24, 40, 960])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype, n):
-    """AVX2 path: every row's sums run over k in order, whatever pass takes it (full passes of
-    6 fp32 / 4 bf16 rows or the shorter pass of the rows left over): the same bits as the row
-    multiplied alone, and the float64 product within rounding. (A request's logits must not
-    change with the batch it decodes in; any faster split of the rows must keep this.)"""
+    """Every row's sums run over k in order, whatever pass takes it (full passes of 6 fp32 /
+    4 bf16 rows on AVX2, 12 fp32 rows on AVX-512, 16 on AMX tiles, or the shorter pass of the
+    rows left over): the same bits as the row multiplied alone, and the float64 product within
+    rounding. (A request's logits must not change with the batch it decodes in; any faster
+    split of the rows must keep this.)"""
     g = torch.Generator().manual_seed(n)
     w = torch.randn(n, 96, generator=g).to(dtype)
-    try:
-        packed = ops.pack_linear_weight(w)
-    except RuntimeError as e:  # the AMX build: bf16 on tiles, float32 refused
-        assert "bf16" in str(e)
-        pytest.skip("AVX2 path only")
+    packed = ops.pack_linear_weight(w)
     bias = torch.randn(n, generator=g).to(dtype)
-    for rows in (5, 6, 7, 8, 13, 14):
+    for rows in (5, 6, 7, 8, 12, 13, 14, 17, 25):
         x = torch.randn(rows, 96, generator=g).to(dtype)
         out = ops.linear_small_m(x, packed, n, bias)
         for i in range(rows):
