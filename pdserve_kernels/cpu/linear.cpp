@@ -32,7 +32,7 @@
 // the first. A bf16 panel met by 64 or more rows is widened into a float buffer once per call,
 // so the passes do not widen again (and have the registers for 6 rows). With AVX-512, float32
 // panels go through a zmm loop instead (two panels x 12 rows a pass: linear_panels_512), which
-// on an Intel Sapphire/Emerald Rapids ran SmolLM2's projections 1.4-1.9x oneDNN's speed at
+// on an Intel Emerald Rapids ran SmolLM2's projections 1.4-1.9x oneDNN's speed at
 // 1-48 rows (18-23 GB/s of weights at 1-12 rows against oneDNN's 10-15; 175 vs 120 GFLOP/s at
 // 48) and 1.07-1.2x at 64-128 (benchmarks/small_rows_linear.py --dtype float32).
 #include <ATen/Parallel.h>
@@ -92,7 +92,6 @@ __attribute__((noinline)) void panel_rows(const float* xf, int64_t k, const P* p
       });
 }
 
-
 // All m rows times one panel, Block rows per pass, the rest in one shorter pass.
 template <int Block, typename P, typename O>
 void panel_all_rows(const float* xf, int64_t m, int64_t k, const P* panel, const float* bias16,
@@ -127,7 +126,8 @@ constexpr int64_t kRowBlock = 1024;
 // of each, times R rows of x, each broadcast once into a register and used by both: 2R
 // accumulators (32 zmm registers: room for 12 rows). A loop over one panel with the rows
 // broadcast from memory took a load per FMA and fell to 0.8x oneDNN from 32 rows; the
-// ymm loop above has room for 6 rows and half the lanes. Cols: of the pair, Panels: 1 or 2.
+// ymm loop above has room for 6 rows and half the lanes. Panels: 1 or 2; cols: the output
+// columns they hold (up to 32, the last panel's may be fewer).
 template <int R, int Panels>
 __attribute__((noinline)) void panel_rows512(const float* xf, int64_t k, const float* panel,
                                              const float* bias, float* out, int64_t n,
