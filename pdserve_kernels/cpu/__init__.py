@@ -119,6 +119,13 @@ def _built_module(root: str, key: tuple[str, str | None]) -> str | None:
     return None
 
 
+def built_folder() -> str | None:
+    """The folder of this machine's finished build for the current key (sources, flags,
+    compiler), or None if none is built yet."""
+    so = _built_module(_cache_root(), build_key())
+    return None if so is None else os.path.dirname(so)
+
+
 def _import(so: str) -> ModuleType:
     loader = importlib.machinery.ExtensionFileLoader(_NAME, so)
     spec = importlib.util.spec_from_file_location(_NAME, so, loader=loader)

