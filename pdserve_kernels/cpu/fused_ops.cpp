@@ -11,7 +11,11 @@
 //       rotate-half convention (Llama / Qwen / Mistral checkpoints)
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+// The ATen headers only (not <torch/extension.h>, which paged_attention.cpp's bindings need):
+// ~4 s of headers a file instead of ~27.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include "vec.h"
 
@@ -99,7 +103,7 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
 }
 
 template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& out, double eps) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
   const int64_t h = x.size(-1), rows = x.numel() / h;
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
@@ -112,7 +116,7 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor
 
 // residual = residual + x (rounded to T); x = rms_norm(residual)
 template <typename T>
-void fused_add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& w,
+void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
                              double eps) {
   const int64_t h = x.size(-1), rows = x.numel() / h;
   T* xp = x.data_ptr<T>();
@@ -136,7 +140,7 @@ void fused_add_rms_norm_impl(torch::Tensor& x, torch::Tensor& residual, const to
 
 // x [T, H, D] with any token / head strides and a contiguous last dim, rotated in place.
 template <typename T>
-void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2;
   const int64_t ts = x.stride(0), hs = x.stride(1);
   T* xp = x.data_ptr<T>();
@@ -179,7 +183,7 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& 
 // ---------------------------------------------------------------- SiLU * up
 
 template <typename T>
-void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   const int64_t d = out.size(-1), rows = out.numel() / d;
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
@@ -221,26 +225,26 @@ void silu_and_mul_impl(const torch::Tensor& x, torch::Tensor& out) {
   });
 }
 
-void check_cpu(const torch::Tensor& t, const char* name) {
+void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || t.scalar_type() == torch::kBFloat16, name,
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
               " must be float32 or bfloat16");
 }
 
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_cpu(x, "x");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm needs contiguous inputs");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
               "weight must be [hidden] in x's dtype");
-  auto out = torch::empty_like(x);
-  if (x.scalar_type() == torch::kFloat32) rms_norm_impl<float>(x, weight, out, eps);
+  auto out = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat) rms_norm_impl<float>(x, weight, out, eps);
   else rms_norm_impl<BF16>(x, weight, out, eps);
   return out;
 }
 
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
   check_cpu(x, "x");
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
               "fused_add_rms_norm needs contiguous inputs");
@@ -248,11 +252,11 @@ void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w
               "residual must match x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
               "weight must be [hidden] in x's dtype");
-  if (x.scalar_type() == torch::kFloat32) fused_add_rms_norm_impl<float>(x, residual, weight, eps);
+  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_impl<float>(x, residual, weight, eps);
   else fused_add_rms_norm_impl<BF16>(x, residual, weight, eps);
 }
 
-void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1,
               "q and k must be [tokens, heads, head_dim] with a contiguous last dim");
@@ -263,7 +267,7 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && cos.scalar_type() == q.scalar_type() &&
                   sin.scalar_type() == q.scalar_type(),
               "q, k, cos and sin must share a dtype");
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     rope_impl<float>(q, cos, sin);
     rope_impl<float>(k, cos, sin);
   } else {
@@ -272,13 +276,13 @@ void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch
   }
 }
 
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   check_cpu(x, "x");
   TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "x must be contiguous [..., 2 * d]");
   auto sizes = x.sizes().vec();
   sizes.back() /= 2;
-  auto out = torch::empty(sizes, x.options());
-  if (x.scalar_type() == torch::kFloat32) silu_and_mul_impl<float>(x, out);
+  auto out = at::empty(sizes, x.options());
+  if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
   else silu_and_mul_impl<BF16>(x, out);
   return out;
 }

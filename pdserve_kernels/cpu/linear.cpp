@@ -36,7 +36,11 @@
 // 1-48 rows (18-23 GB/s of weights at 1-12 rows against oneDNN's 10-15; 175 vs 120 GFLOP/s at
 // 48) and 1.07-1.2x at 64-128 (benchmarks/small_rows_linear.py --dtype float32).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+// The ATen headers only (not <torch/extension.h>, which paged_attention.cpp's bindings need):
+// ~4 s of headers a file instead of ~27.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include "vec.h"
 
@@ -336,18 +340,18 @@ bool linear_small_m_all_rows() {
 #endif
 }
 
-torch::Tensor pack_linear_weight(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == torch::kBFloat16 ||
-                               w.scalar_type() == torch::kFloat32),
+at::Tensor pack_linear_weight(at::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kBFloat16 ||
+                               w.scalar_type() == at::kFloat),
               "w must be bf16 or float32 [N, K]");
   const int64_t n = w.size(0), k = w.size(1);
   TORCH_CHECK(k % kStepK == 0, "K must be a multiple of 32");
 #if defined(PDSERVE_AMX)
-  if (w.scalar_type() == torch::kBFloat16) {
+  if (w.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(amx_granted(), "the OS does not grant AMX to this process");
     const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
     // [N', K] -> [groups, 4 blocks, 16 cols, K/32, 16 pairs, 2] -> [groups, 4, K/32, 16, 16, 2]
-    auto padded = torch::zeros({groups * kGroupCols, k}, w.options());
+    auto padded = at::zeros({groups * kGroupCols, k}, w.options());
     padded.narrow(0, 0, n).copy_(w);
     return padded.view({groups, 4, 16, k / kStepK, 16, 2})
         .permute({0, 1, 3, 4, 2, 5})
@@ -358,7 +362,7 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
 #if defined(PDSERVE_LINEAR_AVX2)
   // [N', K] -> [panels, 16 cols, K] -> [panels, K, 16 cols]
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
-  auto padded = torch::zeros({panels * kPanelCols, k}, w.options());
+  auto padded = at::zeros({panels * kPanelCols, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
   return padded.view({panels, kPanelCols, k}).transpose(1, 2).contiguous().view({-1});
 #else
@@ -366,27 +370,27 @@ torch::Tensor pack_linear_weight(torch::Tensor w) {
 #endif
 }
 
-torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
-                             c10::optional<torch::Tensor> bias) {
+at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
+                             c10::optional<at::Tensor> bias) {
 #if defined(PDSERVE_AMX)
-  if (x.scalar_type() == torch::kBFloat16 && packed.scalar_type() == torch::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(amx_granted(), "the OS does not grant AMX to this process");
     TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be bf16 [M, K] with contiguous rows");
     const int64_t m = x.size(0), k = x.size(1);
     const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
     TORCH_CHECK(m >= 1, "x has no rows");
     TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
-                    packed.scalar_type() == torch::kBFloat16 &&
+                    packed.scalar_type() == at::kBFloat16 &&
                     packed.numel() == groups * kGroupCols * k,
                 "packed is not pack_linear_weight's of an [n, K] weight");
     const c10::BFloat16* b = nullptr;
     if (bias.has_value() && bias->defined()) {
-      TORCH_CHECK(bias->scalar_type() == torch::kBFloat16 && bias->is_contiguous() &&
+      TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
                       bias->numel() == n,
                   "bias must be contiguous bf16 [n]");
       b = bias->data_ptr<c10::BFloat16>();
     }
-    auto out = torch::empty({m, n}, x.options());
+    auto out = at::empty({m, n}, x.options());
     const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
     const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
     c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
@@ -400,7 +404,7 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
 #endif
 #if defined(PDSERVE_LINEAR_AVX2)
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == packed.scalar_type() &&
-                  (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32),
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "x must be bf16 or float32 [M, K] with contiguous rows, in packed's dtype");
   const int64_t m = x.size(0), k = x.size(1);
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
@@ -412,7 +416,7 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
     TORCH_CHECK(bias->scalar_type() == x.scalar_type() && bias->is_contiguous() &&
                     bias->numel() == n,
                 "bias must be contiguous [n] in x's dtype");
-  auto out = torch::empty({m, n}, x.options());
+  auto out = at::empty({m, n}, x.options());
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;
@@ -447,7 +451,7 @@ torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
       linear_panels_avx2<W>(xrows, m, wp, k, n, b, op, p0, p1);
     });
   };
-  if (x.scalar_type() == torch::kFloat32) run(float{});
+  if (x.scalar_type() == at::kFloat) run(float{});
   else run(c10::BFloat16{});
   return out;
 #else

@@ -12,7 +12,10 @@
 // [first_key(seq_len, window), seq_len), i.e. the query at position p = seq_len - 1 sees keys
 // in (p - window, p]; blocks before the window are not read at all.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+// The ATen headers only: the Python bindings of every kernel file are in bindings.cpp, the one
+// file that includes <torch/extension.h> (~27 s of headers to compile; these ~4).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include "vec.h"
 
@@ -655,8 +658,8 @@ inline DecodeSplit split_decode(int64_t num_reqs, int64_t num_kv_heads, const in
 }
 
 template <typename T, int kD>
-void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-            const torch::Tensor& seq_lens, torch::Tensor& out, double scale, int64_t window) {
+void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+            const at::Tensor& seq_lens, at::Tensor& out, double scale, int64_t window) {
   const int64_t num_reqs = q.size(0), num_q_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = cache.size(2), block_size = cache.size(3);
   const int64_t group = num_q_heads / num_kv_heads;
@@ -745,9 +748,9 @@ void decode(const torch::Tensor& q, const torch::Tensor& cache, const torch::Ten
 }
 
 template <typename T>
-void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
-                     const torch::Tensor& tables, const torch::Tensor& seq_lens,
-                     torch::Tensor& out, double scale, int64_t window) {
+void decode_dispatch(const at::Tensor& q, const at::Tensor& cache,
+                     const at::Tensor& tables, const at::Tensor& seq_lens,
+                     at::Tensor& out, double scale, int64_t window) {
   switch (q.size(2)) {  // common head sizes get fully unrolled inner loops
     case 64: return decode<T, 64>(q, cache, tables, seq_lens, out, scale, window);
     case 128: return decode<T, 128>(q, cache, tables, seq_lens, out, scale, window);
@@ -763,8 +766,8 @@ void decode_dispatch(const torch::Tensor& q, const torch::Tensor& cache,
 // stride(2) == 1) and any row stride, e.g. q a view into the fused qkv projection's output and
 // out rows of the layer's attention output: no copy on either side. window > 0: a sliding-window
 // layer's decode, over the last `window` positions only (window 0: the whole context).
-void paged_decode_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                torch::Tensor seq_lens, double scale, torch::Tensor out,
+void paged_decode_attention_out(at::Tensor q, at::Tensor cache, at::Tensor tables,
+                                at::Tensor seq_lens, double scale, at::Tensor out,
                                 int64_t window) {
   TORCH_CHECK(cache.dim() == 5 && q.dim() == 3 && out.dim() == 3, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 &&
@@ -775,25 +778,25 @@ void paged_decode_attention_out(torch::Tensor q, torch::Tensor cache, torch::Ten
   TORCH_CHECK(cache.is_contiguous() && tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode_attention needs a contiguous cache, block tables and seq lens");
   TORCH_CHECK(q.scalar_type() == cache.scalar_type(), "q and cache dtypes differ");
-  TORCH_CHECK(tables.scalar_type() == torch::kInt64 && seq_lens.scalar_type() == torch::kInt64,
+  TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block tables and seq lens must be int64");
   TORCH_CHECK(tables.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
               "one block table row and one seq len per request");
   TORCH_CHECK(q.size(1) % cache.size(2) == 0, "q heads must be a multiple of kv heads");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
-  if (q.scalar_type() == torch::kFloat32) {
+  if (q.scalar_type() == at::kFloat) {
     decode_dispatch<float>(q, cache, tables, seq_lens, out, scale, window);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     decode_dispatch<c10::BFloat16>(q, cache, tables, seq_lens, out, scale, window);
   } else {
     TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
   }
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch::Tensor tables,
-                                     torch::Tensor seq_lens, double scale, int64_t window) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor tables,
+                                     at::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3, "bad ranks");
-  auto out = torch::empty(q.sizes(), q.options());
+  auto out = at::empty(q.sizes(), q.options());
   paged_decode_attention_out(q, cache, tables, seq_lens, scale, out, window);
   return out;
 }
@@ -803,8 +806,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor cache, torch
 // slots[t] % block_size. A row copy per (token, head): index_copy_ cost ~60x more for a
 // decode batch (its per-row bookkeeping), and nothing here needs the whole-tensor form.
 template <typename T>
-void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& cache,
-                   const torch::Tensor& slots) {
+void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& cache,
+                   const at::Tensor& slots) {
   const int64_t tokens = k.size(0), heads = k.size(1), d = k.size(2);
   const int64_t block_size = cache.size(3);
   const int64_t num_slots = cache.size(0) * block_size;
@@ -826,7 +829,7 @@ void store_kv_impl(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor
   }
 }
 
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, torch::Tensor slots) {
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor cache, at::Tensor slots) {
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && cache.dim() == 5, "bad ranks");
   TORCH_CHECK(k.size(1) == cache.size(2) && k.size(2) == cache.size(4),
               "k/v heads or head_dim differ from the cache's");
@@ -834,72 +837,14 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor cache, torch::Tens
               "store_kv needs unit stride along head_dim and a contiguous cache");
   TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
               "k, v and cache dtypes differ");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() &&
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   slots.size(0) == k.size(0),
               "slots must be contiguous int64, one per token");
-  if (k.scalar_type() == torch::kFloat32) {
+  if (k.scalar_type() == at::kFloat) {
     store_kv_impl<float>(k, v, cache, slots);
-  } else if (k.scalar_type() == torch::kBFloat16) {
+  } else if (k.scalar_type() == at::kBFloat16) {
     store_kv_impl<c10::BFloat16>(k, v, cache, slots);
   } else {
     TORCH_CHECK(false, "store_kv supports float32 and bfloat16");
   }
-}
-
-// fused_ops.cpp
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-void fused_add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
-void rotary_embedding(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor silu_and_mul(torch::Tensor x);
-bool fused_ops_vectorized();
-// sampling_ops.cpp
-torch::Tensor argmax_rows(torch::Tensor x);
-// prefill_attention.cpp
-void paged_prefill_attention_out(torch::Tensor q, torch::Tensor cache, torch::Tensor query_start,
-                                 torch::Tensor query_len, torch::Tensor context_len,
-                                 torch::Tensor block_tables, double scale, torch::Tensor out,
-                                 int64_t window);
-// linear.cpp
-bool linear_small_m_available();
-bool linear_small_m_all_rows();
-torch::Tensor pack_linear_weight(torch::Tensor w);
-torch::Tensor linear_small_m(torch::Tensor x, torch::Tensor packed, int64_t n,
-                             c10::optional<torch::Tensor> bias);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The kernels run without the GIL, as torch's own operators do: a serving node's asyncio
-  // thread (receiving requests, sending tokens) can then run on a spare core while the engine
-  // thread computes. On a 2-core machine running 2 compute threads there is no spare core, and
-  // A/Bs there disagreed (session 34, SmolLM2 fp32 served: +2% by one method, -3 to -4% by two
-  // others; README, the AVX2 list).
-  const auto no_gil = py::call_guard<py::gil_scoped_release>();
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "paged attention for single-token queries (CPU); window > 0: the last window positions",
-        py::arg("q"), py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("window") = 0, no_gil);
-  m.def("paged_decode_attention_out", &paged_decode_attention_out,
-        "paged_decode_attention into out (q and out may be row-strided views)", py::arg("q"),
-        py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("out"), py::arg("window") = 0, no_gil);
-  m.def("paged_prefill_attention_out", &paged_prefill_attention_out,
-        "causal attention of every prefill's query rows over its paged context, into out's rows",
-        py::arg("q"), py::arg("cache"), py::arg("query_start"), py::arg("query_len"),
-        py::arg("context_len"), py::arg("block_tables"), py::arg("scale"), py::arg("out"),
-        py::arg("window") = 0, no_gil);
-  m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)", no_gil);
-  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)", no_gil);
-  m.def("fused_add_rms_norm", &fused_add_rms_norm,
-        "residual += x, then x = RMSNorm(residual), both in place", no_gil);
-  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place", no_gil);
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]", no_gil);
-  m.def("argmax_rows", &argmax_rows,
-        "row-wise argmax of a float32 matrix (torch.argmax's answer)", no_gil);
-  m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
-  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] (bf16 or float32) in linear_small_m's layout");
-  m.def("linear_small_m", &linear_small_m, "x W^T (+ b), few rows: bf16 on AMX, else AVX2 / AVX-512 loops", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
-  m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
-        "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
-  m.def("linear_small_m_available", &linear_small_m_available,
-        "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
 }

@@ -1,0 +1,69 @@
+// The Python module of the CPU kernels: the one file that includes pybind11 and torch's Tensor
+// casters. Not <torch/extension.h>: that is all of torch's C++ API, ~27 s of headers to compile
+// (this header ~10 s); the kernel files include ATen's headers alone (~4 s).
+#include <torch/csrc/utils/pybind.h>
+
+// paged_attention.cpp
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor tables,
+                                     at::Tensor seq_lens, double scale, int64_t window);
+void paged_decode_attention_out(at::Tensor q, at::Tensor cache, at::Tensor tables,
+                                at::Tensor seq_lens, double scale, at::Tensor out,
+                                int64_t window);
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor cache, at::Tensor slots);
+// fused_ops.cpp
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+at::Tensor silu_and_mul(at::Tensor x);
+bool fused_ops_vectorized();
+// sampling_ops.cpp
+at::Tensor argmax_rows(at::Tensor x);
+// prefill_attention.cpp
+void paged_prefill_attention_out(at::Tensor q, at::Tensor cache, at::Tensor query_start,
+                                 at::Tensor query_len, at::Tensor context_len,
+                                 at::Tensor block_tables, double scale, at::Tensor out,
+                                 int64_t window);
+// linear.cpp
+bool linear_small_m_available();
+bool linear_small_m_all_rows();
+at::Tensor pack_linear_weight(at::Tensor w);
+at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
+                             c10::optional<at::Tensor> bias);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // The kernels run without the GIL, as torch's own operators do: a serving node's asyncio
+  // thread (receiving requests, sending tokens) can then run on a spare core while the engine
+  // thread computes. On a 2-core machine running 2 compute threads there is no spare core, and
+  // A/Bs there disagreed (session 34, SmolLM2 fp32 served: +2% by one method, -3 to -4% by two
+  // others; README, the AVX2 list).
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged attention for single-token queries (CPU); window > 0: the last window positions",
+        py::arg("q"), py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window") = 0, no_gil);
+  m.def("paged_decode_attention_out", &paged_decode_attention_out,
+        "paged_decode_attention into out (q and out may be row-strided views)", py::arg("q"),
+        py::arg("cache"), py::arg("tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("out"), py::arg("window") = 0, no_gil);
+  m.def("paged_prefill_attention_out", &paged_prefill_attention_out,
+        "causal attention of every prefill's query rows over its paged context, into out's rows",
+        py::arg("q"), py::arg("cache"), py::arg("query_start"), py::arg("query_len"),
+        py::arg("context_len"), py::arg("block_tables"), py::arg("scale"), py::arg("out"),
+        py::arg("window") = 0, no_gil);
+  m.def("store_kv", &store_kv, "store new tokens' K/V at their cache slots (CPU)", no_gil);
+  m.def("rms_norm", &rms_norm, "RMSNorm of the rows of x (fp32 statistics)", no_gil);
+  m.def("fused_add_rms_norm", &fused_add_rms_norm,
+        "residual += x, then x = RMSNorm(residual), both in place", no_gil);
+  m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place", no_gil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]", no_gil);
+  m.def("argmax_rows", &argmax_rows,
+        "row-wise argmax of a float32 matrix (torch.argmax's answer)", no_gil);
+  m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");
+  m.def("pack_linear_weight", &pack_linear_weight, "W [N, K] (bf16 or float32) in linear_small_m's layout");
+  m.def("linear_small_m", &linear_small_m, "x W^T (+ b), few rows: bf16 on AMX, else AVX2 / AVX-512 loops", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
+  m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
+        "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
+  m.def("linear_small_m_available", &linear_small_m_available,
+        "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
+}
