@@ -137,7 +137,7 @@ __attribute__((noinline)) void panel_rows512(const float* xf, int64_t k, const f
                                              const float* bias, float* out, int64_t n,
                                              int64_t r0, int64_t c0, int64_t cols) {
   const float* panel1 = panel + k * kPanelCols;  // the next panel (Panels == 2)
-  __m512 acc0[R], acc1[R];
+  __m512 acc0[R], acc1[R];  // acc1: the second panel's (Panels == 2; else dropped unused)
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   const float* xr = xf + r0 * k;
@@ -380,7 +380,6 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
     const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
     TORCH_CHECK(m >= 1, "x has no rows");
     TORCH_CHECK(k % kStepK == 0 && packed.is_contiguous() &&
-                    packed.scalar_type() == at::kBFloat16 &&
                     packed.numel() == groups * kGroupCols * k,
                 "packed is not pack_linear_weight's of an [n, K] weight");
     const c10::BFloat16* b = nullptr;
@@ -451,8 +450,12 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
       linear_panels_avx2<W>(xrows, m, wp, k, n, b, op, p0, p1);
     });
   };
+#if defined(PDSERVE_AMX)
+  run(float{});  // bf16 with bf16 took the AMX branch above, mixed dtypes failed the check
+#else
   if (x.scalar_type() == at::kFloat) run(float{});
   else run(c10::BFloat16{});
+#endif
   return out;
 #else
   TORCH_CHECK(false, "linear_small_m needs AVX2 + FMA (see linear_small_m_available)");
