@@ -98,7 +98,7 @@ def test_pdserve_serve_from_the_wheel_answers_with_the_compiled_kernels(
     env = {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
-        "PDSERVE_KERNEL_BUILD_DIR": str(tmp_path / "kernels"),  # compiled from the wheel's .cpp
+        "PDSERVE_KERNEL_BUILD_DIR": str(tmp_path / "kernels"),  # the wheel's own build dir
     }
     env.pop("PYTHONPATH", None)
     python = fresh_venv / "bin/python"

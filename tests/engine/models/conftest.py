@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from pdserve.engine.attention import CpuAttention, TorchAttention
+from pdserve.engine.models import gguf as gguf_source
 from pdserve.kernels.cpu import cpu_ops
 from tests.engine.models.test_llama_vs_hf import PagedSeqs
 
@@ -25,3 +26,12 @@ def layer_kernels(request: pytest.FixtureRequest) -> Iterator[str]:
     PagedSeqs.attention = CpuAttention(ops) if ops is not None else TorchAttention()
     yield request.param
     PagedSeqs.fused_ops, PagedSeqs.attention = saved
+
+
+@pytest.fixture(scope="module")
+def one_metadata_parse() -> Iterator[None]:
+    """For a real-checkpoint module (used with pytestmark): transformers' own GGUF loads and the
+    engine's conversion share one reader per file for the module (each new reader parses all of
+    the file's metadata again: ~20 s for Gemma 3's vocabulary here)."""
+    with gguf_source.reuse_readers():
+        yield

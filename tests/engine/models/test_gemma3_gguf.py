@@ -5,17 +5,19 @@ tokens must equal transformers' own GGUF load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.models import gguf as gguf_source
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.kernels.cache import cache_dir
 from tests.engine.models.greedy_vs_hf import near_ties_vs_hf
+
+# transformers' own loads (tokenizer, config, weights) and the engine's conversion share one
+# parse of the file's metadata (tests/engine/models/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_metadata_parse")
 
 MAX_NEW_TOKENS = 32
 WINDOW = 512
@@ -53,14 +55,6 @@ def gemma3_gguf() -> Path:
 
 def long_prompt(num_paragraphs: int, question: str) -> str:
     return PARAGRAPH * num_paragraphs + question
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_metadata_parse() -> Iterator[None]:
-    """transformers' own loads below (tokenizer, config, weights) and the engine's conversion
-    share one reader of the file: each new reader parses all of its metadata again."""
-    with gguf_source.reuse_readers():
-        yield
 
 
 @pytest.fixture(scope="module")

