@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 
@@ -41,15 +41,20 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_stack(
-    model: str, dtype: str, env: dict[str, str] | None = None, timeout_s: float = 600.0
+    model: str,
+    dtype: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600.0,
+    nodes: Sequence[str] = ("--num-prefill", "1", "--num-decode", "1"),
 ) -> Iterator[str]:
-    """Start `pdserve serve` (served model name "m") on a free port; yield its base URL once
-    it is healthy (its state file written); SIGTERM it (then SIGKILL after 60 s) on exit."""
+    """Start `pdserve serve` (served model name "m", `nodes`: its node flags) on a free port;
+    yield its base URL once it is healthy (its state file written); SIGTERM it (then SIGKILL
+    after 60 s) on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         port, state = free_port(), Path(tmp) / "state.json"
         argv = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "serve",
-                "--model", model, "--served-model-name", "m", "--dtype", dtype,
-                "--num-prefill", "1", "--num-decode", "1", "--port", str(port),
+                "--model", model, "--served-model-name", "m", "--dtype", dtype, *nodes,
+                "--port", str(port),
                 "--grpc-port", "0", "--state-file", str(state)]  # fmt: skip
         proc = subprocess.Popen(argv, cwd=tmp, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)  # fmt: skip

@@ -45,7 +45,7 @@ from pdserve.engine.sampler import (
 )
 from pdserve.engine.spec_decode.rejection_sampler import DraftsToVerify, RejectionSampler
 from pdserve.engine.utils import cdiv
-from pdserve.kernels.cpu import cpu_ops
+from pdserve.kernels.cpu import cpu_ops, threads_hot
 
 
 def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
@@ -204,6 +204,7 @@ class PagedModel:
         parameters are (the cache goes there too; default: the CPU)."""
         self.model = model
         model.use_cpu_fused_ops(fused_ops)
+        self.fused_ops = fused_ops
         self.device = device or torch.device("cpu")
         self.attention = attention or attention_backend("auto", self.device.type)
         """How this model's layers attend (engine/attention.py), chosen once here."""
@@ -271,6 +272,10 @@ class PagedModel:
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """One forward over every chunk: the final hidden states [tokens, hidden] and, per
         chunk in chunk order, the row just past its last token."""
+        with threads_hot(self.fused_ops):
+            return self._forward_hot(chunks)
+
+    def _forward_hot(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         order = sorted(range(len(chunks)), key=lambda i: len(chunks[i].token_ids) > 1)
         batch = [chunks[i] for i in order]  # decodes first (engine/attention.py)
         if self.graphs is not None and self.lora is None and self.graphs.accepts(batch):
@@ -311,7 +316,8 @@ class PagedModel:
         input_ids, positions, meta = self._prepare_inputs(batch)
         self._set_lora(batch)
         start = time.perf_counter()
-        hidden = self._run_model(input_ids, positions, meta)
+        with threads_hot(self.fused_ops):
+            hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         out: list[torch.Tensor] = [hidden] * len(chunks)
         offset = 0
@@ -440,6 +446,16 @@ class ModelRunner(PagedModel):
         accepted ones plus a correction or bonus token. draft_probs[request_id] ([k, V]) is the
         distribution its proposed tokens were drawn from; absent means one-hot (n-gram).
         prompt_logprobs[request_id]: the prompt logprobs to score from that request's chunk."""
+        with threads_hot(self.fused_ops):
+            return self._execute(output, rows, draft_probs, prompt_logprobs)
+
+    def _execute(
+        self,
+        output: SchedulerOutput,
+        rows: Mapping[str, SampleRow],
+        draft_probs: Mapping[str, torch.Tensor] | None,
+        prompt_logprobs: Mapping[str, PromptLogprobsTask] | None,
+    ) -> RunnerOutput:
         hidden, ends = self._forward(output.chunks)
         logits = self._logits_at(hidden, output.chunks, ends)
         plain: list[tuple[ScheduledChunk, int]] = []

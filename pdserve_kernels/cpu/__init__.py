@@ -37,6 +37,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from types import ModuleType
@@ -58,9 +59,10 @@ _SOURCES = [
         "fused_ops.cpp",
         "sampling_ops.cpp",
         "linear.cpp",
+        "thread_pool.cpp",
     )
 ]
-_HEADERS = [os.path.join(_HERE, "vec.h")]
+_HEADERS = [os.path.join(_HERE, name) for name in ("vec.h", "thread_pool.h")]
 
 
 def _cache_root() -> str:
@@ -202,3 +204,29 @@ def cpu_ops() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means: use the torch path
         logger.warning("CPU kernels unavailable (%s); using the torch path", exc)
         return None
+
+
+_hot_lock = threading.Lock()
+_hot_depth = 0
+
+
+@contextlib.contextmanager
+def threads_hot(ops: ModuleType | None) -> Iterator[None]:
+    """Inside: the kernels' idle pool workers spin between loops instead of sleeping
+    (thread_pool.h: a step's ~180 short loops then start without waking a thread), until the
+    outermost of nested scopes ends. No effect without the kernels or their pool."""
+    global _hot_depth
+    if ops is None or not ops.kernel_pool_enabled():
+        yield
+        return
+    with _hot_lock:
+        _hot_depth += 1
+        if _hot_depth == 1:
+            ops.set_threads_hot(True)
+    try:
+        yield
+    finally:
+        with _hot_lock:
+            _hot_depth -= 1
+            if _hot_depth == 0:
+                ops.set_threads_hot(False)

@@ -3,6 +3,8 @@
 // (this header ~10 s); the kernel files include ATen's headers alone (~4 s).
 #include <torch/csrc/utils/pybind.h>
 
+#include "thread_pool.h"
+
 // paged_attention.cpp
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor tables,
                                      at::Tensor seq_lens, double scale, int64_t window);
@@ -64,6 +66,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("n"), py::arg("bias") = py::none(), no_gil);
   m.def("linear_small_m_all_rows", &linear_small_m_all_rows,
         "whether linear_small_m should take every row count (AVX2 CPUs: it outruns oneDNN)");
+  m.def("set_threads_hot", &pdserve_cpu::set_threads_hot,
+        "while hot (inside an engine step), the kernels' idle pool workers spin between loops "
+        "instead of sleeping (thread_pool.h)",
+        py::arg("hot"));
+  m.def("kernel_pool_enabled", &pdserve_cpu::pool_enabled,
+        "whether the kernels' loops run on their own worker pool (else OpenMP)");
+  m.def("kernel_pool_jobs", &pdserve_cpu::pool_jobs, "loops the kernels' pool has run in this process");
   m.def("linear_small_m_available", &linear_small_m_available,
         "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
 }

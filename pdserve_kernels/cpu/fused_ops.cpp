@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 
+#include "thread_pool.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -108,7 +109,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, do
   const T* xp = x.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       rms_norm_row<T>(xp + t * h, wp, op + t * h, h, static_cast<float>(eps));
   });
@@ -122,7 +123,7 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
   const T* wp = w.data_ptr<T>();
-  at::parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* xr = xp + t * h;
       T* rr = rp + t * h;
@@ -146,7 +147,7 @@ void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   T* xp = x.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, grain_rows(heads * half * 2), [&](int64_t begin, int64_t end) {
+  parallel_for(0, tokens, grain_rows(heads * half * 2), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* c = cp + t * half;
       const T* s = sp + t * half;
@@ -191,7 +192,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   // stay on the calling thread: waking the second one cost more than the work (AMD Zen 3, 8
   // rows: 36 us on two threads with idle workers asleep vs 24 us on one before the AVX2 loop).
   const int64_t grain = kSiluVector ? std::max<int64_t>(1, 65536 / d) : grain_rows(3 * d);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* gate = xp + t * 2 * d;
       const T* up = gate + d;

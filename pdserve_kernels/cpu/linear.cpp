@@ -42,6 +42,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 
+#include "thread_pool.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -395,7 +396,7 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
     c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
     // Groups per task: at least 64 KiB of W, so waking the second thread pays off.
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kGroupCols * k * 2));
-    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
       linear_groups(xp, x.stride(0), m, wp, k, n, b, op, g0, g1);
     });
     return out;
@@ -432,7 +433,7 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
       if (static_cast<int64_t>(xf.size()) < m * k) xf.resize(m * k);
       float* dst = xf.data();
       const int64_t ldx = x.stride(0);
-      at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
+      parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r)
           for (int64_t j = 0; j < k; j += 8) _mm256_storeu_ps(dst + r * k + j, widen8(xp + r * ldx + j));
       });
@@ -442,7 +443,7 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
     W* op = out.data_ptr<W>();
     // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
     const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
-    at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+    parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<W, float>)
         return linear_panels_512(xrows, m, wp, k, n, b, op, p0, p1);

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "thread_pool.h"
 #include "vec.h"
 
 #include <cmath>
@@ -683,7 +684,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
     if constexpr (std::is_same_v<T, c10::BFloat16> && kD % 32 == 0)
       tiles_qk = !split.per_request && group <= 16 && block_size % 16 == 0 && amx_granted();
 #endif
-    at::parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
       auto run = [&](auto tiles) {
@@ -719,7 +720,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
     const DecodeSplit split = split_decode(num_reqs, num_kv_heads, len_ptr, window);
     const int64_t heads_per_task = split.heads_per_task, tasks_per_req = split.tasks_per_req;
     const std::vector<int64_t>& bounds = split.bounds;
-    at::parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
+    parallel_for(0, split.parts, 1, [&](int64_t part_begin, int64_t part_end) {
       const FlushDenormals flush;
       std::vector<float> work;  // per thread, reused across tasks
       for (int64_t i = bounds[part_begin]; i < bounds[part_end]; ++i) {
@@ -734,7 +735,7 @@ void decode(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tabl
     return;
   }
 #endif
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;
     std::vector<float> work;  // per thread, reused across (request, kv head) pairs
     for (int64_t i = begin; i < end; ++i) {

@@ -44,6 +44,7 @@
 // ~4 s of headers a file instead of ~27.
 #include <ATen/core/Tensor.h>
 
+#include "thread_pool.h"
 #include "vec.h"
 
 #include <algorithm>
@@ -531,7 +532,7 @@ PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
     total += b.num_kv_heads * (kv.num_tiles[s] - kv.first_tile[s]);
   }
   kv.data.resize(total * 2 * kKeyTile * b.head_dim);
-  at::parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
+  parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(kv.base.begin(), kv.base.end(), begin) - kv.base.begin() - 1;
     for (int64_t i = begin; i < end; ++i) {
       while (s + 1 < num_seqs && kv.base[s + 1] <= i) ++s;
@@ -1016,7 +1017,7 @@ void prefill_t64(const Batch<T>& b, int64_t num_seqs) {
   const int64_t n = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const FlushDenormals flush;
     const AmxTiles tiles;
     std::vector<BlockT64> blocks;
@@ -1032,7 +1033,7 @@ void prefill(const Batch<T>& b, int64_t num_seqs) {
   const int64_t n = static_cast<int64_t>(tasks.size());
   std::atomic<int64_t> next{0};
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const FlushDenormals flush;
 #if defined(PDSERVE_AMX)
     std::conditional_t<kAmx, AmxTiles, FlushDenormals> tiles;  // (a second flush: a no-op)

@@ -8,6 +8,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 
+#include "thread_pool.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -115,7 +117,7 @@ at::Tensor argmax_rows(at::Tensor x) {
   const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   // rows of one logits batch: a thread per ~64K values (waking the second one costs ~10 us)
-  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
+  pdserve_cpu::parallel_for(0, rows, std::max<int64_t>(1, 65536 / n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
   });
   return out;
