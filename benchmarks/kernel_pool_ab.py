@@ -4,7 +4,7 @@ on OpenMP (PDSERVE_KERNEL_POOL=0: every loop wakes a sleeping libgomp thread, si
 OMP_WAIT_POLICY=PASSIVE). Alternating server starts, issue 17's serving workload through
 `pdserve bench serve` (random token ids, --input-len in / --output-len out, greedy, ignore_eos,
 --num-prompts requests, --max-concurrency in flight); each server idles --idle-s first (the KV
-cache's prefault) and serves one untimed warm-up run. Writes benchmarks/results/kernel_pool_ab.json.
+cache's prefault) and serves one untimed warm-up run of other prompts. Writes benchmarks/results/kernel_pool_ab.json.
 
     .venv/bin/python benchmarks/kernel_pool_ab.py --dtype float32 --rounds 2
     .venv/bin/python benchmarks/kernel_pool_ab.py --stack disaggregated
@@ -45,7 +45,7 @@ def one_round(args: argparse.Namespace, model: str, pool: bool) -> dict[str, flo
         time.sleep(args.idle_s)
         with tempfile.TemporaryDirectory() as tmp:
             results = []
-            for run in ("warmup", "timed"):
+            for seed, run in ((1, "warmup"), (0, "timed")):  # other prompts: no prefix hits
                 out = Path(tmp) / f"{run}.json"
                 cmd = [sys.executable, "-m", "pdserve.bench", "serve", "--base-url", base,
                        "--model", "m", "--tokenizer", args.tokenizer or model,
@@ -53,7 +53,8 @@ def one_round(args: argparse.Namespace, model: str, pool: bool) -> dict[str, flo
                        "--random-output-len", str(args.output_len),
                        "--num-prompts", str(args.num_prompts),
                        "--max-concurrency", str(args.max_concurrency), "--ignore-eos",
-                       "--temperature", "0", "--disable-tqdm", "--result-file", str(out)]  # fmt: skip
+                       "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+                       "--result-file", str(out)]  # fmt: skip
                 subprocess.run(cmd, check=True, timeout=1200, stdout=subprocess.DEVNULL)
                 results.append(json.loads(out.read_text()))
     timed = results[-1]

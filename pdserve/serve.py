@@ -237,24 +237,40 @@ def gateway_argv(args: argparse.Namespace, prefill: list[str], decode: list[str]
     return argv + args.gateway_arg
 
 
-def child_env() -> dict[str, str]:
+def child_env(kernel_pool: bool) -> dict[str, str]:
     """The children's environment: OMP_WAIT_POLICY=PASSIVE unless the caller chose a policy
-    (OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT).
+    (OMP_WAIT_POLICY, or libgomp's GOMP_SPINCOUNT), and PDSERVE_KERNEL_POOL=1 if kernel_pool
+    (unless the caller set it).
     serve's processes share the machine's cores, and an OpenMP thread that spins while
     waiting for work (libgomp's default) takes a core from the process that has work: with two
     nodes on two cores, a spinning idle node made the busy one up to ~10x slower
-    (benchmarks/results/prefill_long_prompts_spinwait_*.json)."""
+    (benchmarks/results/prefill_long_prompts_spinwait_*.json). But a sleeping thread costs a
+    wake-up at each of a decode step's ~180 parallel loops, so where the nodes' threads fit the
+    cores the CPU kernels run their loops on their own pool instead, spinning inside a step
+    only (pdserve_kernels/cpu/thread_pool.h)."""
     env = dict(os.environ)
     if "GOMP_SPINCOUNT" not in env:  # a chosen spin count is a policy too
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("PDSERVE_KERNEL_POOL", "1" if kernel_pool else "0")
     return env
 
 
-def _spawn(name: str, argv: list[str], core: int | None) -> subprocess.Popen:
+def threads_fit_cores(args: argparse.Namespace) -> bool:
+    """Whether the nodes' compute threads together fit this process's CPUs (a node without
+    --num-threads takes torch's default, one per core), so a node's idle kernel workers may
+    spin inside its steps without taking a core another node computes on."""
+    cores = len(os.sched_getaffinity(0))
+    nodes = args.num_prefill + args.num_decode
+    return nodes * (args.num_threads or cores) <= cores
+
+
+def _spawn(
+    name: str, argv: list[str], core: int | None, kernel_pool: bool = False
+) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pdserve.cli", *argv]
     logger.info("starting %s: %s", name, " ".join(cmd[2:]))
     setup = _pin(core) if core is not None else _die_with_parent
-    return subprocess.Popen(cmd, preexec_fn=setup, env=child_env())
+    return subprocess.Popen(cmd, preexec_fn=setup, env=child_env(kernel_pool))
 
 
 def start_stack(args: argparse.Namespace) -> list[Child]:
@@ -266,7 +282,7 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             metrics_port = free_port() if args.node_metrics else None
             argv = node_argv(args, role, port, metrics_port)
             core = len(children) % cores if args.pin_cpus else None
-            process = _spawn(f"{role}-{i}", argv, core)
+            process = _spawn(f"{role}-{i}", argv, core, threads_fit_cores(args))
             metrics_address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
             children.append(
                 Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address, argv, core)
@@ -367,7 +383,7 @@ def roll_nodes(
             logger.warning("%s did not drain in time; killing it", child.name)
             child.process.kill()
             child.process.wait(5.0)
-        child.process = _spawn(child.name, child.argv, child.core)
+        child.process = _spawn(child.name, child.argv, child.core, threads_fit_cores(args))
         deadline = time.monotonic() + args.startup_timeout_s
         while not _node_serving(child.address, tls):
             if child.process.poll() is not None or time.monotonic() > deadline:

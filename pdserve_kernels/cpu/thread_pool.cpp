@@ -11,7 +11,6 @@
 #endif
 
 #include <atomic>
-#include <cctype>
 #include <chrono>
 #include <cstdlib>
 #include <exception>
@@ -140,15 +139,8 @@ Pool& the_pool() {
 }
 
 bool decide_enabled() {
-  auto lower = [](const char* v) {
-    std::string s = v == nullptr ? "" : v;
-    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    return s;
-  };
-  const std::string own = lower(std::getenv("PDSERVE_KERNEL_POOL"));
-  if (own == "1") return true;
-  if (own == "0") return false;
-  return lower(std::getenv("OMP_WAIT_POLICY")) == "passive";
+  const char* v = std::getenv("PDSERVE_KERNEL_POOL");
+  return v != nullptr && std::string(v) == "1";
 }
 
 }  // namespace

@@ -10,9 +10,14 @@
 // this VM: a SmolLM2 decode step of 8 rows 39 -> 54 ms). libgomp's policy is fixed at load, so
 // it cannot spin inside a step and sleep between steps; this pool does.
 //
-// Used when libgomp's idle threads sleep (OMP_WAIT_POLICY=PASSIVE, as `pdserve serve` sets) or
-// PDSERVE_KERNEL_POOL=1; with libgomp spinning (its default, offline runs) the kernels keep
-// OpenMP, which already starts every loop at once. PDSERVE_KERNEL_POOL=0 keeps OpenMP always.
+// On with PDSERVE_KERNEL_POOL=1, which `pdserve serve` gives a node whose threads have the cores
+// to themselves (its nodes' threads together no more than the machine's cores: e.g. one
+// aggregated node): SmolLM2 fp32 served, 40 x 256 in / 64 out, 8 in flight, 1.16x the
+// throughput (benchmarks/kernel_pool_ab.py). Where nodes share cores (serve's default 1 prefill +
+// 1 decode node with every core each) a worker spinning inside one node's step takes the core
+// the other node computes on: 0.74x there, so those keep OpenMP. Off by default: one process
+// alone on the machine (the offline LLM) has libgomp's default policy, whose idle threads spin
+// anyway (~7 ms), and a second spinning pool beside them made its decode steps ~1.5x slower.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -23,7 +28,7 @@
 
 namespace pdserve_cpu {
 
-// Whether the pool runs the loops (decided once per process, see above).
+// Whether the pool runs the loops (PDSERVE_KERNEL_POOL=1, read once per process).
 bool pool_enabled();
 
 // Runs f over [begin, end) split as at::parallel_for splits it into `tasks` chunks, on the

@@ -85,6 +85,26 @@ def test_children_sleep_while_idle_unless_told_otherwise(monkeypatch) -> None:
     """serve's processes share cores: their OpenMP threads must not spin while idle
     (benchmarks/omp_wait_policy.py: spinning made a 1+1 stack 1.8x slower here)."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert serve.child_env()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.delenv("PDSERVE_KERNEL_POOL", raising=False)
+    assert serve.child_env(False)["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert serve.child_env()["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert serve.child_env(False)["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_kernel_pool_only_where_the_nodes_threads_fit_the_cores(monkeypatch) -> None:
+    """A node's kernel workers spin inside its steps (pdserve_kernels/cpu/thread_pool.h) only
+    where no other node computes on its cores (benchmarks/kernel_pool_ab.py: 1.16x aggregated,
+    0.74x with 1 + 1 nodes on 2 cores); the caller's own choice stands."""
+    monkeypatch.delenv("PDSERVE_KERNEL_POOL", raising=False)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def fits(prefill: int, decode: int, threads: int | None) -> bool:
+        ns = argparse.Namespace(num_prefill=prefill, num_decode=decode, num_threads=threads)
+        return serve.threads_fit_cores(ns)
+
+    assert fits(0, 1, None) and fits(0, 1, 2) and fits(1, 1, 1)
+    assert not fits(1, 1, None) and not fits(1, 1, 2) and not fits(0, 1, 3) and not fits(2, 2, 1)
+    assert serve.child_env(True)["PDSERVE_KERNEL_POOL"] == "1"
+    assert serve.child_env(False)["PDSERVE_KERNEL_POOL"] == "0"
+    monkeypatch.setenv("PDSERVE_KERNEL_POOL", "0")
+    assert serve.child_env(True)["PDSERVE_KERNEL_POOL"] == "0"

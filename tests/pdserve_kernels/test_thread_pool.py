@@ -1,6 +1,6 @@
-"""The CPU kernels' own worker pool (pdserve_kernels/cpu/thread_pool.h): on where libgomp's
-threads sleep (OMP_WAIT_POLICY=PASSIVE, what `pdserve serve` gives its nodes) or when asked
-(PDSERVE_KERNEL_POOL=1), off otherwise; the same results as OpenMP's loops to the bit; safe
+"""The CPU kernels' own worker pool (pdserve_kernels/cpu/thread_pool.h): on when asked
+(PDSERVE_KERNEL_POOL=1, what `pdserve serve` gives a node whose threads fit the cores), off
+otherwise; the same results as OpenMP's loops to the bit; safe
 across fork, with two dispatching threads, and on fewer CPUs than threads; and the engine's hot
 scope. The pool is decided once per process, so each case runs in a fresh interpreter."""
 
@@ -79,14 +79,14 @@ def run(code: str, **env: str) -> list[str]:
     return done.stdout.split()
 
 
-def test_pool_on_where_openmp_sleeps_with_the_same_bits_as_openmp(built) -> None:
+def test_pool_only_when_asked_with_the_same_bits_as_openmp(built) -> None:
     openmp = run(_KERNELS)
-    assert openmp[:2] == ["False", "False"]  # libgomp's default policy: OpenMP's loops
-    passive = run(_KERNELS, OMP_WAIT_POLICY="passive")
-    assert passive[:2] == ["True", "True"]
-    asked = run(_KERNELS, PDSERVE_KERNEL_POOL="1")
+    assert openmp[:2] == ["False", "False"]  # by default: OpenMP's loops
+    passive = run(_KERNELS, OMP_WAIT_POLICY="PASSIVE")
+    assert passive[:2] == ["False", "False"]
+    asked = run(_KERNELS, OMP_WAIT_POLICY="PASSIVE", PDSERVE_KERNEL_POOL="1")
     assert asked[:2] == ["True", "True"]
-    refused = run(_KERNELS, OMP_WAIT_POLICY="PASSIVE", PDSERVE_KERNEL_POOL="0")
+    refused = run(_KERNELS, PDSERVE_KERNEL_POOL="0")
     assert refused[:2] == ["False", "False"]
     assert openmp[2] == passive[2] == asked[2] == refused[2]
 
@@ -95,7 +95,8 @@ def test_pool_on_fewer_cpus_than_threads(built) -> None:
     """Two threads on one CPU: nobody spins (the worker would take the core its dispatcher
     waits on); the results are the same."""
     pinned = "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})\n"
-    assert run(pinned + _KERNELS, PDSERVE_KERNEL_POOL="1")[2] == run(_KERNELS)[2]
+    pooled = run(pinned + _KERNELS, PDSERVE_KERNEL_POOL="1", OMP_WAIT_POLICY="PASSIVE")
+    assert pooled[:2] == ["True", "True"] and pooled[2] == run(_KERNELS)[2]
 
 
 def test_pool_survives_fork_and_two_dispatching_threads(built) -> None:
@@ -130,7 +131,7 @@ def test_pool_survives_fork_and_two_dispatching_threads(built) -> None:
         print("ok")
         """
     )
-    assert run(code, PDSERVE_KERNEL_POOL="1") == ["ok"]
+    assert run(code, PDSERVE_KERNEL_POOL="1", OMP_WAIT_POLICY="PASSIVE") == ["ok"]
 
 
 def test_hot_scope_nests_and_always_ends() -> None:
