@@ -65,7 +65,9 @@ def one_round(args: argparse.Namespace, model: str, pool: bool) -> dict[str, flo
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=None, help="model dir or GGUF (default: SmolLM2-135M GGUF)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir for the prompts (default: --model)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer dir for the prompts (default: --model)"
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--stack", choices=sorted(STACKS), default="aggregated")
     p.add_argument("--rounds", type=int, default=2, help="server starts per setting")
@@ -84,7 +86,8 @@ def main() -> int:
             runs[name].append(one_round(args, model, name == "pool"))
             logger.info("round %d %s: %s", r + 1, name, runs[name][-1])
     medians = {
-        name: {k: statistics.median(run[k] for run in rs) for k in rs[0]} for name, rs in runs.items()
+        name: {k: statistics.median(run[k] for run in rs) for k in rs[0]}
+        for name, rs in runs.items()
     }
     result = {
         "model": model, "workload": vars(args), "runs": runs, "medians": medians,
