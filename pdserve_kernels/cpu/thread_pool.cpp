@@ -28,8 +28,8 @@ using Clock = std::chrono::steady_clock;
 // between two loops of a step (tens of microseconds), bounded so that a hot section that never
 // ends, or a long pause inside one, does not keep a core busy; when not hot, a few microseconds
 // (back-to-back calls outside a step).
-constexpr auto kHotSpin = std::chrono::milliseconds(2);
-constexpr auto kCoolSpin = std::chrono::microseconds(20);
+constexpr Clock::duration kHotSpin = std::chrono::milliseconds(2);
+constexpr Clock::duration kCoolSpin = std::chrono::microseconds(20);
 // Idle spinning is plain pause instructions (~25 ns each on AMD Zen 3), as libgomp's: no
 // sched_yield, which hands the core to any runnable thread, the KV cache's idle-priority
 // prefault thread included (engine/host_memory.py), and a yielded spinner then waits up to a
@@ -85,18 +85,19 @@ void run_chunk(Pool& p, const c10::function_ref<void(int64_t, int64_t)>& f, int6
 
 // Waits until seq is even and differs from `seen`: spins (yielding), then sleeps on the futex.
 uint32_t wait_for_job(Pool& p, uint32_t seen) {
-  const auto spin_until =
-      Clock::now() + (p.oversubscribed ? Clock::duration::zero()
-                      : p.hot.load(std::memory_order_relaxed)
-                          ? std::chrono::duration_cast<Clock::duration>(kHotSpin)
-                          : std::chrono::duration_cast<Clock::duration>(kCoolSpin));
+  // The bound follows the hot flag while spinning: a step that ends stops the spin ~20 us
+  // into the wait (at once, if the wait is older), not 2 ms after.
+  const auto start = Clock::now();
   for (;;) {
     for (int i = 0; i < kPausesPerClockRead; ++i) {
       const uint32_t s = p.seq.load(std::memory_order_acquire);
       if (s != seen && s % 2 == 0) return s;
       cpu_relax();
     }
-    if (Clock::now() < spin_until) continue;
+    const auto spun = Clock::now() - start;
+    if (!p.oversubscribed.load(std::memory_order_relaxed) &&
+        spun < (p.hot.load(std::memory_order_relaxed) ? kHotSpin : kCoolSpin))
+      continue;
     p.sleepers.fetch_add(1, std::memory_order_seq_cst);
     const uint32_t s = p.seq.load(std::memory_order_seq_cst);
     if (s == seen || s % 2 == 1) futex(&p.seq, FUTEX_WAIT_PRIVATE, s);
