@@ -83,7 +83,7 @@ void run_chunk(Pool& p, const c10::function_ref<void(int64_t, int64_t)>& f, int6
   }
 }
 
-// Waits until seq is even and differs from `seen`: spins (yielding), then sleeps on the futex.
+// Waits until seq is even and differs from `seen`: spins (pause), then sleeps on the futex.
 uint32_t wait_for_job(Pool& p, uint32_t seen) {
   // The bound follows the hot flag while spinning: a step that ends stops the spin ~20 us
   // into the wait (at once, if the wait is older), not 2 ms after.
@@ -107,9 +107,10 @@ uint32_t wait_for_job(Pool& p, uint32_t seen) {
   }
 }
 
-void worker_main(Pool* p, int64_t index) {
+// `seen`: the seq when it was started (the job it is started for is published after it).
+void worker_main(Pool* p, int64_t index, uint32_t seen) {
   worker_thread = true;
-  uint32_t seen = 0;
+  pthread_setname_np(pthread_self(), "pdserve-kernel");
   for (;;) {
     const uint32_t s = wait_for_job(*p, seen);
     seen = s;
@@ -172,7 +173,9 @@ bool pool_run(int64_t begin, int64_t end, int64_t chunk, int64_t tasks,
   }
   try {
     while (p.workers < tasks - 1) {
-      std::thread(worker_main, &p, static_cast<int64_t>(p.workers + 1)).detach();
+      std::thread(worker_main, &p, static_cast<int64_t>(p.workers + 1),
+                  p.seq.load(std::memory_order_relaxed))
+          .detach();
       ++p.workers;
     }
   } catch (const std::system_error&) {  // no thread to be had: OpenMP does it
