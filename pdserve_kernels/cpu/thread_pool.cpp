@@ -33,9 +33,9 @@ constexpr Clock::duration kCoolSpin = std::chrono::microseconds(20);
 // Idle spinning is plain pause instructions (~25 ns each on AMD Zen 3), as libgomp's: no
 // sched_yield, which hands the core to any runnable thread, the KV cache's idle-priority
 // prefault thread included (engine/host_memory.py), and a yielded spinner then waits up to a
-// scheduler tick for the core back (a SmolLM2 decode step of 8 rows: 48-54 ms with a yield every
-// 64 pauses against 34-41 ms without). Threads that wake (the node's asyncio thread, a gateway)
-// still preempt a spinner, whose CPU time is far ahead of theirs.
+// scheduler tick for the core back (a SmolLM2 decode step of 8 rows: 42-54 ms, median 49, with
+// a yield every 64 pauses against 36-47 ms, median 40, without). Threads that wake (the node's
+// asyncio thread, a gateway) still preempt a spinner, whose CPU time is far ahead of theirs.
 constexpr int kPausesPerClockRead = 64;
 
 inline void cpu_relax() {
