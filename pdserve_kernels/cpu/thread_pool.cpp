@@ -73,8 +73,9 @@ Pool* pool = nullptr;  // leaked: workers may still be waiting on it at exit
 thread_local bool worker_thread = false;
 
 void run_chunk(Pool& p, const c10::function_ref<void(int64_t, int64_t)>& f, int64_t index) {
-  const int64_t b = p.begin.load(std::memory_order_relaxed) + index * p.chunk.load(std::memory_order_relaxed);
-  const int64_t e = std::min(p.end.load(std::memory_order_relaxed), b + p.chunk.load(std::memory_order_relaxed));
+  const int64_t chunk = p.chunk.load(std::memory_order_relaxed);
+  const int64_t b = p.begin.load(std::memory_order_relaxed) + index * chunk;
+  const int64_t e = std::min(p.end.load(std::memory_order_relaxed), b + chunk);
   try {
     f(b, e);
   } catch (...) {
@@ -194,7 +195,8 @@ bool pool_run(int64_t begin, int64_t end, int64_t chunk, int64_t tasks,
   if (p.sleepers.load(std::memory_order_seq_cst) > 0) futex(&p.seq, FUTEX_WAKE_PRIVATE, INT32_MAX);
   p.jobs.fetch_add(1, std::memory_order_relaxed);
   run_chunk(p, f, 0);
-  const bool yield = p.oversubscribed.load(std::memory_order_relaxed);  // a worker may need this core
+  // Oversubscribed, a worker may need this very core: yield it.
+  const bool yield = p.oversubscribed.load(std::memory_order_relaxed);
   while (p.pending.load(std::memory_order_acquire) > 0) {
     if (yield) sched_yield();
     else cpu_relax();

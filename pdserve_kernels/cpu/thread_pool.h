@@ -56,7 +56,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   const int64_t n = end - begin;
   if (!pool_enabled()) return at::parallel_for(begin, end, grain, f);
   const int64_t threads = at::get_num_threads();
-  if (n <= grain || threads <= 1 || in_pool_task() || at::in_parallel_region()) return f(begin, end);
+  if (n <= grain || threads <= 1 || in_pool_task() || at::in_parallel_region())
+    return f(begin, end);
   const int64_t tasks = std::min<int64_t>(threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
   const int64_t chunk = (n + tasks - 1) / tasks;
   const int64_t used = (n + chunk - 1) / chunk;  // chunks that are not empty
