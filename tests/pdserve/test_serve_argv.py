@@ -155,14 +155,16 @@ def test_start_stack_wires_the_addresses(
     args: argparse.Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     spawned: dict[str, list[str]] = {}
+    pooled: dict[str, bool] = {}
 
-    def spawn(name: str, argv: list[str], core: int | None) -> _Process:
-        spawned[name] = argv
+    def spawn(name: str, argv: list[str], core: int | None, kernel_pool: bool = False) -> _Process:
+        spawned[name], pooled[name] = argv, kernel_pool
         return _Process()
 
     ports = iter(range(7001, 7100))
     monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(ports))
     monkeypatch.setattr(serve, "_spawn", spawn)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
     args.num_prefill, args.num_decode = 1, 2
     children = serve.start_stack(args)
     assert [(c.name, c.address, c.metrics_address) for c in children] == [
@@ -179,3 +181,5 @@ def test_start_stack_wires_the_addresses(
         "127.0.0.1:7001",
     )
     assert all(argv[:2] == ["--log-level", "DEBUG"] for argv in spawned.values())
+    # 3 nodes of args.num_threads each on 2 CPUs: no spinning kernel pool anywhere
+    assert not any(pooled.values())
