@@ -93,7 +93,7 @@ def test_children_sleep_while_idle_unless_told_otherwise(monkeypatch) -> None:
 
 def test_kernel_pool_only_where_the_nodes_threads_fit_the_cores(monkeypatch) -> None:
     """A node's kernel workers spin inside its steps (pdserve_kernels/cpu/thread_pool.h) only
-    where no other node computes on its cores (benchmarks/kernel_pool_ab.py: 1.16x aggregated,
+    where no other node computes on its cores (benchmarks/kernel_pool_ab.py: 1.03-1.16x aggregated,
     0.74x with 1 + 1 nodes on 2 cores); the caller's own choice stands."""
     monkeypatch.delenv("PDSERVE_KERNEL_POOL", raising=False)
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
