@@ -12,12 +12,13 @@
 //
 // On with PDSERVE_KERNEL_POOL=1, which `pdserve serve` gives a node whose threads have the cores
 // to themselves (its nodes' threads together no more than the machine's cores: e.g. one
-// aggregated node): SmolLM2 fp32 served, 40 x 256 in / 64 out, 8 in flight, 1.16x the
-// throughput (benchmarks/kernel_pool_ab.py). Where nodes share cores (serve's default 1 prefill +
-// 1 decode node with every core each) a worker spinning inside one node's step takes the core
-// the other node computes on: 0.74x there, so those keep OpenMP. Off by default: one process
-// alone on the machine (the offline LLM) has libgomp's default policy, whose idle threads spin
-// anyway (~7 ms), and a second spinning pool beside them made its decode steps ~1.5x slower.
+// aggregated node): SmolLM2 fp32 served, 40 x 256 in / 64 out, 8 in flight, 1.03-1.16x the
+// throughput (benchmarks/kernel_pool_ab.py; README, the AVX2 section). Where nodes share cores
+// (serve's default 1 prefill + 1 decode node with every core each) a worker spinning inside one
+// node's step takes the core the other node computes on: 0.74x there, so those keep OpenMP.
+// Off by default: one process alone on the machine (the offline LLM) has libgomp's default
+// policy, whose idle threads spin anyway (~7 ms), and a second spinning pool beside them made
+// its decode steps ~1.5x slower.
 #pragma once
 
 #include <ATen/Parallel.h>
