@@ -17,7 +17,11 @@ import torch
 from pdserve import LLM, SamplingParams
 from pdserve.engine.models import gguf as gguf_source
 from pdserve.engine.tokenizer import Tokenizer
-from tests.engine.models.greedy_vs_hf import near_ties_vs_hf
+from tests.engine.models.greedy_vs_hf import (
+    hf_greedy_batch,
+    length_batches,
+    near_ties_vs_hf,
+)
 
 # transformers' own loads (tokenizer, config, weights) and the engine's conversion share one
 # parse of the file's metadata (tests/engine/models/conftest.py).
@@ -145,6 +149,37 @@ def test_greedy_fp32_equals_transformers_gguf_load(llm: LLM, hf_model, hf_tokeni
     assert len(prompts) == 20
     near_ties = near_ties_vs_hf(llm, hf_model, prompts, MAX_NEW_TOKENS)
     assert len(near_ties) <= 2, f"{len(near_ties)} near-ties: {near_ties}"
+
+
+def test_transformers_batched_reference_equals_its_lone_prompts(hf_model, hf_tokenizer) -> None:
+    """The greedy reference runs transformers on left-padded batches: for prompts of different
+    lengths, one of which ends at <|im_end|> well before the others, each row's tokens and top-2
+    gaps equal generate() on that prompt alone (up to fp32 summation order in the gaps)."""
+    prompts = [
+        hf_tokenizer.encode("The capital of France is"),
+        _chat_ids(hf_tokenizer, "What is the capital of France?"),
+        hf_tokenizer.encode("import numpy as np\n\n"),
+    ]
+    eos = hf_model.generation_config.eos_token_id
+    with torch.inference_mode():
+        batched = hf_greedy_batch(hf_model, prompts, 24)
+        for prompt, (tokens, gaps) in zip(prompts, batched, strict=True):
+            alone = hf_model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, output_logits=True,
+                return_dict_in_generate=True, pad_token_id=eos,
+            )  # fmt: skip
+            assert tokens == alone.sequences[0, len(prompt) :].tolist()
+            want = [(s[0].log_softmax(-1).topk(2).values).tolist() for s in alone.logits]
+            assert gaps == pytest.approx([a - b for a, b in want], abs=1e-3)
+    assert len(batched[1][0]) < 24 and batched[1][0][-1] == eos  # it stopped at end of turn
+    assert len(batched[0][0]) == 24
+
+
+def test_length_batches_bound_the_padding() -> None:
+    lengths = [7, 400, 5, 300, 60, 1000, 410, 12]
+    batches = length_batches([[1] * n for n in lengths])
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    assert [[lengths[i] for i in b] for b in batches] == [[5, 7, 12, 60], [300, 400, 410], [1000]]
 
 
 def test_the_model_answers_and_stops_at_the_end_of_turn(llm: LLM) -> None:

@@ -49,3 +49,46 @@ def test_a_bad_file_raises_as_without_sharing_and_is_not_kept(tmp_path: Path) ->
                 gguf.GGUFReader(str(junk))
         tiny_gguf(junk, 4)  # mended in place: read, not a remembered failure
         assert gguf.GGUFReader(str(junk)).tensors[0].shape.tolist() == [8, 4]
+
+
+def test_the_shared_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
+    """The shared reader slices a plain ndarray of the mapping instead of the memmap: every
+    field (parts, their dtypes and byte orders, data indices, types) and every tensor of a real
+    checkpoint (SmolLM2's GGUF: 49k-entry string arrays, Q4_1 and F32 tensors) and of a file
+    with strings, arrays and scalars of every kind equals the original reader's."""
+    from tests.engine.models.test_gguf import smollm2_gguf
+
+    mixed = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(mixed), "llama")
+    writer.add_string("x.s", "héllo")
+    writer.add_array("x.strings", ["a", "", "ü" * 300])
+    writer.add_array("x.ints", [1, -2, 3])
+    writer.add_array("x.floats", [0.5, 1.5])
+    writer.add_bool("x.b", True)
+    writer.add_uint64("x.u64", 2**40 + 3)
+    writer.add_float64("x.f64", 1e-300)
+    writer.add_tensor("t.weight", np.arange(24, dtype=np.float16).reshape(4, 6))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (mixed, smollm2_gguf()):
+        original = gguf.GGUFReader(str(path))
+        with gguf_source.reuse_readers():
+            shared = gguf.GGUFReader(str(path))
+        assert type(shared) is not type(original)  # the plain-array reader, not the original
+        assert list(shared.fields) == list(original.fields)
+        for name, want in original.fields.items():
+            got = shared.fields[name]
+            assert (got.offset, got.data, got.types) == (want.offset, want.data, want.types), name
+            assert len(got.parts) == len(want.parts), name
+            for a, b in zip(got.parts, want.parts, strict=True):
+                assert type(a) is np.ndarray and a.dtype.str == b.dtype.str, name
+                assert a.tobytes() == b.tobytes(), name
+        assert len(shared.tensors) == len(original.tensors)
+        for got, want in zip(shared.tensors, original.tensors, strict=True):
+            assert (got.name, got.tensor_type, got.n_elements) == (
+                want.name, want.tensor_type, want.n_elements
+            )  # fmt: skip
+            assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
+            assert np.array_equal(got.data, want.data), got.name
