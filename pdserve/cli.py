@@ -39,6 +39,9 @@ def cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.models import gguf
+
+    gguf.model_dir(args.model)  # a bad --model is refused before the engine (torch) loads
     from pdserve.engine import LLM, SamplingParams
 
     llm = LLM.from_engine_args(EngineArgs.from_cli_args(args))
@@ -83,7 +86,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line. With command (a sub-command's name, or "" for none), only that
+    sub-command's flags are built and only its modules imported (the others get their name and
+    help), so a gateway process never imports torch and `pdserve --help` answers at once."""
     parser = ArgumentParser(
         prog="pdserve", description="LLM inference and serving with disaggregated prefill/decode."
     )
@@ -143,34 +149,56 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="write one JSON record per prompt")
     gen.set_defaults(func=cmd_generate)
-    _add_service_commands(sub)
+    _add_service_commands(sub, command)
     from pdserve import bench
 
     bench.add_parser(sub)
     return parser
 
 
-def _add_service_commands(sub: argparse._SubParsersAction) -> None:
-    """The long-running roles; each module owns its flags (add_arguments) and its life (run)."""
-    from pdserve import serve
-    from pdserve.decode_node import main as decode_main
-    from pdserve.gateway import main as gateway_main
-    from pdserve.prefill_node import main as prefill_main
+ROLES = {
+    "prefill": ("pdserve.prefill_node.main", "run a prefill node (computes prompts, pushes KV)"),
+    "decode": ("pdserve.decode_node.main", "run a decode node (admits requests, streams tokens)"),
+    "gateway": (
+        "pdserve.gateway.main",
+        "run the gateway alone (OpenAI REST + gRPC) against nodes",
+    ),
+    "serve": ("pdserve.serve", "run the whole stack on this machine: gateway + prefill + decode"),
+}
+"""The long-running roles: each module owns its flags (add_arguments) and its life (run)."""
 
-    roles = [
-        ("prefill", prefill_main, "run a prefill node (computes prompts, pushes KV)"),
-        ("decode", decode_main, "run a decode node (admits requests, streams tokens)"),
-        ("gateway", gateway_main, "run the gateway alone (OpenAI REST + gRPC) against nodes"),
-        ("serve", serve, "run the whole stack on this machine: gateway + prefill + decode"),
-    ]
-    for name, module, text in roles:
+
+def _add_service_commands(sub: argparse._SubParsersAction, command: str | None) -> None:
+    """The roles' sub-commands: every one's flags, or (command given) only command's; a node
+    module imports torch, which the gateway and serve's supervisor never need."""
+    import importlib
+
+    for name, (module_name, text) in ROLES.items():
+        if command is not None and name != command:
+            sub.add_parser(name, help=text)
+            continue
+        module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=text, description=module.__doc__)
         module.add_arguments(p)
         p.set_defaults(func=module.run)
 
 
+def _command_of(argv: Sequence[str]) -> str | None:
+    """The sub-command argv names (its first word that is not an option or --log-level's
+    value), or None (no command: the parser says what is missing)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(_command_of(argv) or "")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),

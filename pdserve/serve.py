@@ -299,6 +299,11 @@ class StartupDeath(RuntimeError):
     """A child exited before the stack was up (e.g. a port taken between pick and bind)."""
 
 
+REFUSED_EXIT_CODE = 2
+"""A child's exit code for flags or a model it refuses (pdserve.cli: argparse errors and
+ValueErrors, whose one line the child logged): starting it again cannot help."""
+
+
 def _node_serving(address: str, tls: TLSFiles | None) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -324,9 +329,12 @@ def wait_healthy(
     deadline = time.monotonic() + timeout_s
     pending = [c for c in children if c.name != "gateway"]
     while time.monotonic() < deadline:
-        dead = [c.name for c in children if c.process.poll() is not None]
+        dead = [c for c in children if c.process.poll() is not None]
+        refused = [c.name for c in dead if c.process.returncode == REFUSED_EXIT_CODE]
+        if refused:
+            raise ValueError(f"{', '.join(refused)} refused to start (its error is above)")
         if dead:
-            raise StartupDeath(f"{', '.join(dead)} exited during startup")
+            raise StartupDeath(f"{', '.join(c.name for c in dead)} exited during startup")
         pending = [c for c in pending if not _node_serving(c.address, tls)]
         if not pending:
             try:
@@ -409,6 +417,16 @@ def _write_state(path: str, children: list[Child]) -> None:
     Path(path).write_text(json.dumps(state, indent=2))
 
 
+def _prepare_model(model: str) -> None:
+    """Resolve --model here, before any child starts: a GGUF file is converted once (every node
+    and the gateway then load the cached directory), and a missing, truncated or corrupt file
+    or an unsupported one is one ValueError line with nothing started."""
+    from pdserve.engine.models import gguf
+
+    if not (Path(gguf.model_dir(model)) / "config.json").is_file():
+        raise ValueError(f"{model}: no config.json (a model directory or a .gguf file)")
+
+
 def _prepare_cpu_kernels() -> None:
     """Build the CPU kernels here, once, if this machine has no build for their key yet: nodes
     started after find it and import it (else every node would wait on the first one's
@@ -443,6 +461,7 @@ def run(args: argparse.Namespace) -> int:
     scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
     base = f"{scheme}://{host}:{args.port}"
     tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
+    _prepare_model(args.model)
     _prepare_cpu_kernels()
     for attempt in range(1, _START_ATTEMPTS + 1):
         children = start_stack(args)

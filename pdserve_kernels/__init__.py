@@ -6,19 +6,18 @@ CPU under ``TRITON_INTERPRET=1`` (set before triton is imported; tests only).
 
 from __future__ import annotations
 
-from pdserve.kernels.reference import (
-    paged_decode_attention_ref,
-    paged_prefill_attention_ref,
-    reshape_and_cache_ref,
-)
-
 _TRITON_KERNELS = {
     "reshape_and_cache": "pdserve.kernels.kv_store",
     "paged_decode_attention": "pdserve.kernels.paged_decode",
     "paged_prefill_attention": "pdserve.kernels.paged_prefill",
+    "paged_decode_attention_ref": "pdserve.kernels.reference",
+    "paged_prefill_attention_ref": "pdserve.kernels.reference",
+    "reshape_and_cache_ref": "pdserve.kernels.reference",
 }
-"""The Triton wrappers, imported on first use (PEP 562): a CPU process that only needs
-pdserve.kernels.cpu never imports triton (76 ms, and its bindings' leak report at exit)."""
+"""The Triton wrappers and their torch references, imported on first use (PEP 562): a CPU
+process that only needs pdserve.kernels.cpu never imports triton (76 ms, and its bindings' leak
+report at exit), and one that only needs pdserve.kernels.cache (the gateway, through the GGUF
+source) never imports torch."""
 
 
 def __getattr__(name: str) -> object:

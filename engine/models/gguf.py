@@ -183,16 +183,17 @@ def _convert(gguf: Path, out: Path) -> None:
     """Write gguf's config, generation config, tokenizer and float32 weights into out.
     ValueError names the file and what is wrong with it."""
     with reuse_readers():  # one parse of the metadata for config, tokenizer and weights
-        _convert_with(gguf, out)
+        # a file that is no GGUF at all is refused before torch and transformers load (~4 s)
+        architecture, has_tokenizer = _inspect(gguf)
+        _convert_with(gguf, out, architecture, has_tokenizer)
 
 
-def _convert_with(gguf: Path, out: Path) -> None:
+def _convert_with(gguf: Path, out: Path, architecture: str, has_tokenizer: bool) -> None:
     import torch  # heavy imports only when converting
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    architecture, has_tokenizer = _inspect(gguf)
     folder, name = str(gguf.parent), gguf.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)

@@ -89,6 +89,18 @@ def test_health_and_models(stack, client):
     assert [m.id for m in client.models.list().data] == [stack.model]
 
 
+def test_the_gateway_process_never_loads_torch(stack):
+    """The gateway tokenizes and routes: its process (started as `pdserve gateway` by serve)
+    maps no libtorch, while the nodes it routes to do."""
+
+    def maps_torch(name: str) -> bool:
+        with open(f"/proc/{stack.nodes[name]['pid']}/maps") as maps:
+            return "libtorch" in maps.read()
+
+    assert not maps_torch("gateway")
+    assert maps_torch("prefill-0") and maps_torch("decode-0")
+
+
 def test_32_concurrent_mixed_requests_equal_the_offline_engine(stack, offline):
     work = mixed_workload(32)
     with ThreadPoolExecutor(32) as pool:

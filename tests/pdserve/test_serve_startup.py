@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +48,7 @@ def test_a_startup_death_restarts_the_stack(monkeypatch):
         raise KeyboardInterrupt  # "up": leave run() through its cleanup
 
     monkeypatch.setattr(serve.signal, "signal", lambda *a: None)  # keep pytest's handlers
+    monkeypatch.setattr(serve, "_prepare_model", lambda model: None)
     monkeypatch.setattr(serve, "start_stack", start_stack)
     monkeypatch.setattr(serve, "wait_healthy", wait_healthy)
     with pytest.raises(KeyboardInterrupt):
@@ -64,10 +66,71 @@ def test_gives_up_after_the_last_attempt(monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(serve, "_prepare_model", lambda model: None)
     monkeypatch.setattr(serve, "start_stack", start_stack)
     with pytest.raises(serve.StartupDeath, match="decode-0 exited during startup"):
         serve.run(_args())
     assert len(started) == serve._START_ATTEMPTS
+
+
+def _serve(model: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`pdserve serve --model model` on free loopback ports, to its exit (bounded)."""
+    argv = ["serve", "--model", model, "--port", str(serve.free_port())]
+    argv += ["--grpc-port", str(serve.free_port()), "--startup-timeout-s", "60"]
+    return subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", *argv],
+        capture_output=True, text=True, timeout=120, cwd=cwd,
+    )  # fmt: skip
+
+
+def test_a_bad_model_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
+    """A missing path, a directory without config.json, a file that is no GGUF and a GGUF cut
+    short: exit 2, one ERROR line naming it, no child process started, no traceback."""
+    import gguf
+    import numpy as np
+
+    whole = tmp_path / "whole.gguf"
+    writer = gguf.GGUFWriter(str(whole), "llama")
+    writer.add_array("tokenizer.ggml.tokens", [f"t{i}" for i in range(2000)])
+    writer.add_tensor("token_embd.weight", np.zeros((64, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(whole.read_bytes()[:4000])  # inside the token list
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file" * 50)
+    (tmp_path / "empty").mkdir()
+    cases = {
+        str(tmp_path / "missing"): "does not exist",
+        str(tmp_path / "empty"): "no config.json",
+        str(junk): "not a readable GGUF file",
+        str(cut): "not a readable GGUF file",
+    }
+    for model, reason in cases.items():
+        result = _serve(model, tmp_path)
+        assert result.returncode == 2, result.stderr
+        errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
+        assert len(errors) == 1 and model in errors[0] and reason in errors[0], result.stderr
+        assert "Traceback" not in result.stderr and "starting" not in result.stderr
+
+
+def test_a_child_that_refuses_its_model_is_not_started_again(
+    tiny_llama: str, tmp_path: Path
+) -> None:
+    """A model the supervisor cannot judge (here: no tokenizer.json) is refused by the children
+    with exit 2: serve stops at once with exit 2 instead of retrying on fresh ports."""
+    import shutil
+
+    model = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_llama, model)
+    (model / "tokenizer.json").unlink()
+    result = _serve(str(model), tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "refused to start" in result.stderr
+    assert result.stderr.count("starting gateway") == 1, result.stderr
+    assert "no tokenizer.json" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_not_ready_while_a_node_is_not_serving():
