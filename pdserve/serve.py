@@ -431,10 +431,12 @@ def _prepare_cpu_kernels() -> None:
     """Build the CPU kernels here, once, if this machine has no build for their key yet: nodes
     started after find it and import it (else every node would wait on the first one's
     compile under the build lock)."""
-    from pdserve.kernels.cpu import cpu_ops
+    from pdserve.kernels import cpu
 
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0" or cpu.built_folder() is not None:
+        return  # built (or off): nothing to do here, and no torch to import (~2.5 s)
     start = time.monotonic()
-    ready = cpu_ops() is not None
+    ready = cpu.cpu_ops() is not None
     logger.debug(
         "CPU kernels %s in %.1fs", "ready" if ready else "unavailable", time.monotonic() - start
     )

@@ -42,8 +42,6 @@ import time
 from collections.abc import Iterator
 from types import ModuleType
 
-import torch
-
 from pdserve.kernels.cache import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -95,6 +93,21 @@ def _compiler_identity() -> str | None:
     return done.stdout.strip()
 
 
+def _torch_version() -> str:
+    """torch's version from its installed metadata (the same string as torch.__version__ for
+    its wheels), so that a process can find a build without importing torch (~2.5 s: `pdserve
+    serve`'s supervisor checks that the kernels are built before it starts its children);
+    torch.__version__ where no metadata is installed."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return torch.__version__
+
+
 def build_key() -> tuple[str, str | None]:
     """(hash of sources, flags, -march, torch and Python versions; hash of the compiler's
     identity, None without a compiler). The folder of a build is named "<first>-<second>"."""
@@ -103,7 +116,7 @@ def build_key() -> tuple[str, str | None]:
         with open(path, "rb") as f:
             h.update(os.path.basename(path).encode() + b"\0" + f.read() + b"\0")
     h.update(" ".join(_cflags()).encode())
-    h.update(f"{torch.__version__}|{platform.python_version()}|{platform.machine()}".encode())
+    h.update(f"{_torch_version()}|{platform.python_version()}|{platform.machine()}".encode())
     compiler = _compiler_identity()
     compiler_hash = None
     if compiler is not None:
@@ -133,6 +146,8 @@ def built_folder() -> str | None:
 
 
 def _import(so: str) -> ModuleType:
+    import torch  # noqa: F401 - the extension links libtorch: torch loads it first
+
     loader = importlib.machinery.ExtensionFileLoader(_NAME, so)
     spec = importlib.util.spec_from_file_location(_NAME, so, loader=loader)
     assert spec is not None
