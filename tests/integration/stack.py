@@ -23,6 +23,10 @@ STACK_FLAGS = [
 ]  # fmt: skip
 
 
+SMOLLM2_NAMES = ("smollm2-135m-instruct", "other-alias")
+"""The served model names of the shared SmolLM2 stack (conftest.smollm2_stack)."""
+
+
 @dataclass
 class Stack:
     proc: Proc

@@ -7,27 +7,24 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.engine.models.test_gguf import smollm2_gguf
-from tests.integration.stack import start_stack
+from tests.integration.stack import SMOLLM2_NAMES
 from tests.observability.scrape import Samples, scrape
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+MODEL = SMOLLM2_NAMES[0]
+
+
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    s = start_stack(str(smollm2_gguf()), tmp_path_factory.mktemp("real"), 1, 1)
-    try:
-        yield s
-    finally:
-        code = s.proc.stop(timeout_s=40)
-        assert code == 0, f"pdserve serve exited with {code}:\n{s.proc.log()}"
+def stack(smollm2_stack):
+    return smollm2_stack
 
 
 def test_a_served_chat_answers_stops_at_the_end_of_turn_and_streams_the_same(stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", timeout=120)
     reply = client.chat.completions.create(
-        model=stack.model, messages=QUESTION, max_tokens=64, temperature=0
+        model=MODEL, messages=QUESTION, max_tokens=64, temperature=0
     )
     choice = reply.choices[0]
     assert "Paris" in choice.message.content
@@ -36,7 +33,7 @@ def test_a_served_chat_answers_stops_at_the_end_of_turn_and_streams_the_same(sta
     assert reply.usage.completion_tokens < 64
     streamed, finish = "", None
     for chunk in client.chat.completions.create(
-        model=stack.model, messages=QUESTION, max_tokens=64, temperature=0, stream=True
+        model=MODEL, messages=QUESTION, max_tokens=64, temperature=0, stream=True
     ):
         if chunk.choices:
             streamed += chunk.choices[0].delta.content or ""
@@ -49,7 +46,7 @@ def test_a_served_chat_answers_stops_at_the_end_of_turn_and_streams_the_same(sta
 def test_the_prompt_was_computed_on_the_prefill_node(stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", timeout=120)
     reply = client.chat.completions.create(
-        model=stack.model, messages=QUESTION, max_tokens=32, temperature=0
+        model=MODEL, messages=QUESTION, max_tokens=32, temperature=0
     )
     assert "Paris" in reply.choices[0].message.content
     prefill = Samples(scrape(stack.nodes["prefill-0"]["metrics_address"]))

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.structured_output import StructuredOutputKind, StructuredOutputSpec
-from tests.integration.stack import BLOCK, running_stack
+from tests.integration.stack import BLOCK, SMOLLM2_NAMES, running_stack
 
 TIMEOUT_S = 180.0
 SCHEMA = {
@@ -53,9 +53,8 @@ def model() -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(model, tmp_path_factory):
-    with running_stack(model, tmp_path_factory.mktemp("structured"), 1, 1) as s:
-        yield s
+def stack(smollm2_stack):
+    return smollm2_stack
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +135,7 @@ def spec_stack(model, tmp_path_factory):
         "max_batch_for_speculation": len(PEOPLE),
     }
     extra = ["--speculative-config", json.dumps(config), "--num-blocks", "24"]
+    extra += ["--served-model-name", *SMOLLM2_NAMES]  # the plain stack's names
     with running_stack(model, tmp_path_factory.mktemp("structured_spec"), 1, 1, extra=extra) as s:
         yield s
 

@@ -16,11 +16,10 @@ import httpx
 import jsonschema
 import pytest
 
-from tests.integration.stack import running_stack
-from tests.integration.test_serve_structured import smollm2
+from tests.integration.stack import SMOLLM2_NAMES
 
 TIMEOUT_S = 120.0
-MODEL = "shapes-model"
+MODEL, ALIAS = SMOLLM2_NAMES
 
 COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage"}
 COMPLETION_CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
@@ -256,10 +255,8 @@ def _tool_calls(out: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    extra = ["--served-model-name", MODEL, "other-alias"]
-    with running_stack(smollm2(), tmp_path_factory.mktemp("shapes"), 1, 1, extra=extra) as s:
-        yield s
+def stack(smollm2_stack):
+    return smollm2_stack
 
 
 @pytest.fixture(scope="module")
@@ -300,7 +297,7 @@ def test_streamed_chat_with_usage_shape(http) -> None:
 def test_models_tokenizer_and_embeddings_shapes(http) -> None:
     models = http.get("/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [MODEL, "other-alias"]
+    assert [m["id"] for m in models["data"]] == [MODEL, ALIAS]
     for card in models["data"]:
         assert {"id", "object", "created", "owned_by", "root", "parent", "max_model_len",
                 "permission"} <= set(card)  # fmt: skip
