@@ -92,3 +92,15 @@ def test_the_shared_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
             )  # fmt: skip
             assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
             assert np.array_equal(got.data, want.data), got.name
+
+
+def test_one_tensor_name_map_per_arguments_while_active() -> None:
+    """transformers builds gguf's TensorNameMap once per module of the model it maps; while
+    active there is one per (architecture, block count), equal to a fresh one."""
+    original = gguf.get_tensor_name_map
+    with gguf_source.reuse_readers():
+        shared = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 30) is shared
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is not shared
+        assert shared.mapping == original(gguf.MODEL_ARCH.LLAMA, 30).mapping
+    assert gguf.get_tensor_name_map is original
