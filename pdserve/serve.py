@@ -417,14 +417,19 @@ def _write_state(path: str, children: list[Child]) -> None:
     Path(path).write_text(json.dumps(state, indent=2))
 
 
-def _prepare_model(model: str) -> None:
+def _prepare_model(model: str, tokenizer: str | None) -> None:
     """Resolve --model here, before any child starts: a GGUF file is converted once (every node
-    and the gateway then load the cached directory), and a missing, truncated or corrupt file
-    or an unsupported one is one ValueError line with nothing started."""
+    and the gateway then load the cached directory), and a missing, truncated or corrupt file,
+    an unsupported one, or a GGUF file without tokenizer metadata and no --tokenizer is one
+    ValueError line with nothing started."""
     from pdserve.engine.models import gguf
 
-    if not (Path(gguf.model_dir(model)) / "config.json").is_file():
+    directory = gguf.model_dir(model)
+    if not (Path(directory) / "config.json").is_file():
         raise ValueError(f"{model}: no config.json (a model directory or a .gguf file)")
+    missing = None if tokenizer is not None else gguf.tokenizer_missing_message(directory)
+    if missing is not None:
+        raise ValueError(missing)
 
 
 def _prepare_cpu_kernels() -> None:
@@ -463,7 +468,7 @@ def run(args: argparse.Namespace) -> int:
     scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
     base = f"{scheme}://{host}:{args.port}"
     tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
-    _prepare_model(args.model)
+    _prepare_model(args.model, args.tokenizer)
     _prepare_cpu_kernels()
     for attempt in range(1, _START_ATTEMPTS + 1):
         children = start_stack(args)

@@ -4,6 +4,7 @@ bind) starts the whole stack again on fresh ports; readiness waits for every nod
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdserve import serve
+from pdserve.engine.models import gguf as gguf_source
 
 
 def _args(**overrides) -> argparse.Namespace:
@@ -48,7 +50,7 @@ def test_a_startup_death_restarts_the_stack(monkeypatch):
         raise KeyboardInterrupt  # "up": leave run() through its cleanup
 
     monkeypatch.setattr(serve.signal, "signal", lambda *a: None)  # keep pytest's handlers
-    monkeypatch.setattr(serve, "_prepare_model", lambda model: None)
+    monkeypatch.setattr(serve, "_prepare_model", lambda model, tokenizer: None)
     monkeypatch.setattr(serve, "start_stack", start_stack)
     monkeypatch.setattr(serve, "wait_healthy", wait_healthy)
     with pytest.raises(KeyboardInterrupt):
@@ -66,7 +68,7 @@ def test_gives_up_after_the_last_attempt(monkeypatch):
         return started[-1]
 
     monkeypatch.setattr(serve.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(serve, "_prepare_model", lambda model: None)
+    monkeypatch.setattr(serve, "_prepare_model", lambda model, tokenizer: None)
     monkeypatch.setattr(serve, "start_stack", start_stack)
     with pytest.raises(serve.StartupDeath, match="decode-0 exited during startup"):
         serve.run(_args())
@@ -84,8 +86,9 @@ def _serve(model: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_bad_model_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
-    """A missing path, a directory without config.json, a file that is no GGUF and a GGUF cut
-    short: exit 2, one ERROR line naming it, no child process started, no traceback."""
+    """A missing path, a directory without config.json, a converted GGUF without a tokenizer,
+    a file that is no GGUF and a GGUF cut short: exit 2, one ERROR line naming the file and the
+    reason, no child process started, no traceback."""
     import gguf
     import numpy as np
 
@@ -102,9 +105,16 @@ def test_a_bad_model_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file" * 50)
     (tmp_path / "empty").mkdir()
+    untokenized = tmp_path / "untokenized"  # as converted from a GGUF without tokenizer metadata
+    untokenized.mkdir()
+    (untokenized / "config.json").write_text("{}")
+    (untokenized / gguf_source.SOURCE_FILE).write_text(
+        json.dumps({"gguf": str(tmp_path / "m.gguf"), "tokenizer": False})
+    )
     cases = {
         str(tmp_path / "missing"): "does not exist",
         str(tmp_path / "empty"): "no config.json",
+        str(untokenized): "m.gguf: the GGUF file has no tokenizer metadata; pass --tokenizer",
         str(junk): "not a readable GGUF file",
         str(cut): "not a readable GGUF file",
     }
@@ -112,7 +122,8 @@ def test_a_bad_model_is_one_line_and_starts_nothing(tmp_path: Path) -> None:
         result = _serve(model, tmp_path)
         assert result.returncode == 2, result.stderr
         errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
-        assert len(errors) == 1 and model in errors[0] and reason in errors[0], result.stderr
+        assert len(errors) == 1 and reason in errors[0], result.stderr
+        assert model in errors[0] or model == str(untokenized), result.stderr
         assert "Traceback" not in result.stderr and "starting" not in result.stderr
 
 
