@@ -205,6 +205,11 @@ class PagedModel:
         self.model = model
         model.use_cpu_fused_ops(fused_ops)
         self.fused_ops = fused_ops
+        self._pool_ops = (
+            fused_ops if fused_ops is not None and fused_ops.kernel_pool_enabled() else None
+        )
+        """fused_ops where the kernels' own pool runs (threads_hot's argument: asked once, not a
+        pybind call per forward), else None."""
         self.device = device or torch.device("cpu")
         self.attention = attention or attention_backend("auto", self.device.type)
         """How this model's layers attend (engine/attention.py), chosen once here."""
@@ -272,7 +277,7 @@ class PagedModel:
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """One forward over every chunk: the final hidden states [tokens, hidden] and, per
         chunk in chunk order, the row just past its last token."""
-        with threads_hot(self.fused_ops):
+        with threads_hot(self._pool_ops):
             return self._forward_hot(chunks)
 
     def _forward_hot(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
@@ -316,7 +321,7 @@ class PagedModel:
         input_ids, positions, meta = self._prepare_inputs(batch)
         self._set_lora(batch)
         start = time.perf_counter()
-        with threads_hot(self.fused_ops):
+        with threads_hot(self._pool_ops):
             hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         out: list[torch.Tensor] = [hidden] * len(chunks)
@@ -446,7 +451,7 @@ class ModelRunner(PagedModel):
         accepted ones plus a correction or bonus token. draft_probs[request_id] ([k, V]) is the
         distribution its proposed tokens were drawn from; absent means one-hot (n-gram).
         prompt_logprobs[request_id]: the prompt logprobs to score from that request's chunk."""
-        with threads_hot(self.fused_ops):
+        with threads_hot(self._pool_ops):
             return self._execute(output, rows, draft_probs, prompt_logprobs)
 
     def _execute(

@@ -130,15 +130,17 @@ SMALL_ROWS_MAX = 128
 """Products of up to this many rows (decode steps) go to the AMX kernel when a weight has its
 layout (pack_small_rows): 1.7-1.8x oneDNN's speed at 1-16 rows on an AMX CPU (21-22 vs 12 GB/s
 of weights read), 1.5x at 48, 1.35x at 128, 1.1x at 256; float32 weights, to the AVX-512 loop
-there: 1.4-1.9x at 1-48 rows, 1.07-1.2x at 64-128. On AVX2 without AVX-512 (AMD Zen 3)
+there: 1.4-1.9x at 1-48 rows, 1.07-1.2x at 64-128; bf16 weights without AMX but with
+AVX512-BF16 (AMD Zen 4), to a vdpbf16ps loop: 1.4-1.75x at 1-16 rows, 1.08-1.34x at 32-128.
+On AVX2 without AVX-512 (AMD Zen 3)
 the kernel takes every row count (small_rows_take_all): 2.1-2.7x at 1-4 rows, 1.1-1.35x
 from 16 to 2048 (benchmarks/small_rows_linear.py --dtype)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
     """weight ([N, K]) in the layout of the compiled kernel for few-row products
-    (pdserve_kernels/cpu/linear.cpp: bf16 on AMX, float32 on AVX-512 or AVX2, bf16 on AVX2
-    without AMX), or None where it cannot run: no kernels, no AVX2 + FMA, bf16 on an AMX build
+    (pdserve_kernels/cpu/linear.cpp: bf16 on AMX, float32 on AVX-512 or AVX2, bf16 on
+    AVX512-BF16 or AVX2 without AMX), or None where it cannot run: no kernels, no AVX2 + FMA, bf16 on an AMX build
     the OS grants no AMX, another dtype, K not a multiple of 32. A second copy of the weight (the oneDNN copy, where there is one,
     serves the many-row products of prefill)."""
     if weight.is_cuda or weight.dtype not in (torch.bfloat16, torch.float32):

@@ -35,6 +35,13 @@
 // on an Intel Emerald Rapids ran SmolLM2's projections 1.4-1.9x oneDNN's speed at
 // 1-48 rows (18-23 GB/s of weights at 1-12 rows against oneDNN's 10-15; 175 vs 120 GFLOP/s at
 // 48) and 1.07-1.2x at 64-128 (benchmarks/small_rows_linear.py --dtype float32).
+//
+// bf16 weights on an AVX512-BF16 CPU without AMX (AMD Zen 4) take a third layout and loop,
+// vdpbf16ps on pairs of k (linear_panels_dp below): on Zen 4 the AVX2 loop's widening ran
+// SmolLM2's projections at 0.50-0.65x oneDNN from 16 to 128 rows (it is compute-bound there,
+// and fp32 FMAs do half the products of a bf16 dot product); the pair loop runs them at
+// 1.08-1.55x oneDNN at 8-128 rows (~400 GFLOP/s at 128, oneDNN's bf16 GEMM rate here) and as
+// fast as before at 1-4 rows (~27-29 GB/s of weights).
 #include <ATen/Parallel.h>
 // The ATen headers only (not <torch/extension.h>, which paged_attention.cpp's bindings need):
 // ~4 s of headers a file instead of ~27.
@@ -214,6 +221,104 @@ void linear_panels_512(const float* xf, int64_t m, const float* packed, int64_t 
 }
 #endif
 
+#if defined(__AVX512BF16__) && !defined(PDSERVE_AMX)
+// bf16 weights on an AVX512-BF16 CPU without AMX (AMD Zen 4): vdpbf16ps multiplies a pair of k
+// for 16 columns in one instruction, twice the products of an fp32 FMA, so the few-row products
+// of decode, which are compute-bound from ~8 rows on two cores, take it instead of the AVX2
+// loop's widening (what this CPU ran before: the bf16 rows and W widened to fp32). Layout: W^T
+// as [N'/16][K/2][16][2] bf16, each k pair of a 16-column panel one zmm register; x stays bf16
+// (a row's pair broadcast as one 32-bit lane). Two panels x R rows a pass as in
+// linear_panels_512. Each output is its row's pairs summed in k order in fp32 (vdpbf16ps:
+// the two products of a pair added to the sum one after the other, denormals flushed), + bias,
+// rounded to bf16 once; a row's result does not depend on the rows beside it.
+#define PDSERVE_LINEAR_BF16DP 1
+
+template <int R, int Panels>
+__attribute__((noinline)) void panel_rows_dp(const c10::BFloat16* x, int64_t ldx, int64_t k,
+                                             const c10::BFloat16* panel, const float* bias,
+                                             c10::BFloat16* out, int64_t n, int64_t r0,
+                                             int64_t c0, int64_t cols) {
+  const c10::BFloat16* panel1 = panel + k * kPanelCols;  // the next panel (Panels == 2)
+  __m512 acc0[R], acc1[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+  const c10::BFloat16* xr = x + r0 * ldx;
+  constexpr int64_t kPairStep = 2 * kPanelCols;  // bf16 per k pair of a panel (64 bytes)
+  for (int64_t kk = 0; kk < k; kk += 2) {
+    const int64_t off = (kk / 2) * kPairStep;
+    _mm_prefetch(reinterpret_cast<const char*>(panel + off + kAheadSteps * kPairStep),
+                 _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + off);
+    __m512bh w1 = w0;
+    if constexpr (Panels == 2) {
+      _mm_prefetch(reinterpret_cast<const char*>(panel1 + off + kAheadSteps * kPairStep),
+                   _MM_HINT_T0);
+      w1 = (__m512bh)_mm512_loadu_si512(panel1 + off);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xr + r * ldx + kk, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      acc0[r] = _mm512_dpbf16_ps(acc0[r], xv, w0);
+      if constexpr (Panels == 2) acc1[r] = _mm512_dpbf16_ps(acc1[r], xv, w1);
+    }
+  }
+  const int64_t cols0 = std::min<int64_t>(kPanelCols, cols);
+  const __mmask16 lanes0 = static_cast<__mmask16>((1u << cols0) - 1);
+  const __mmask16 lanes1 = static_cast<__mmask16>((1u << std::max<int64_t>(0, cols - 16)) - 1);
+  const __m512 b0 = _mm512_loadu_ps(bias), b1 = _mm512_loadu_ps(bias + 16);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    c10::BFloat16* o = out + (r0 + r) * n + c0;
+    _mm256_mask_storeu_epi16(o, lanes0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], b0)));
+    if constexpr (Panels == 2)
+      _mm256_mask_storeu_epi16(o + 16, lanes1,
+                               (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], b1)));
+  }
+}
+
+template <int Block, int Panels, int R = 1>
+void panel_rest_dp(const c10::BFloat16* x, int64_t ldx, int64_t rest, int64_t k,
+                   const c10::BFloat16* panel, const float* bias, c10::BFloat16* out, int64_t n,
+                   int64_t r0, int64_t c0, int64_t cols) {
+  if constexpr (R < Block) {
+    if (rest == R) return panel_rows_dp<R, Panels>(x, ldx, k, panel, bias, out, n, r0, c0, cols);
+    panel_rest_dp<Block, Panels, R + 1>(x, ldx, rest, k, panel, bias, out, n, r0, c0, cols);
+  }
+}
+
+// Panels [p0, p1) of a bf16 weight (pair layout) for all m rows, two at a time.
+void linear_panels_dp(const c10::BFloat16* x, int64_t ldx, int64_t m,
+                      const c10::BFloat16* packed, int64_t k, int64_t n,
+                      const c10::BFloat16* bias, c10::BFloat16* out, int64_t p0, int64_t p1) {
+  alignas(64) float bias32[2 * kPanelCols];
+  for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, m - r0);
+    const c10::BFloat16* xb = x + r0 * ldx;
+    c10::BFloat16* ob = out + r0 * n;
+    for (int64_t p = p0; p < p1; p += 2) {
+      const bool pair = p + 1 < p1;
+      const int64_t c0 = p * kPanelCols;
+      const int64_t cols = std::min((pair ? 2 : 1) * kPanelCols, n - c0);
+      for (int64_t c = 0; c < 2 * kPanelCols; ++c)
+        bias32[c] = bias != nullptr && c < cols ? static_cast<float>(bias[c0 + c]) : 0.f;
+      const c10::BFloat16* panel = packed + p * k * kPanelCols;
+      int64_t r = 0;
+      if (pair) {
+        for (; r + kBlock512 <= rows; r += kBlock512)
+          panel_rows_dp<kBlock512, 2>(xb, ldx, k, panel, bias32, ob, n, r, c0, cols);
+        panel_rest_dp<kBlock512, 2>(xb, ldx, rows - r, k, panel, bias32, ob, n, r, c0, cols);
+      } else {
+        for (; r + kBlock512 <= rows; r += kBlock512)
+          panel_rows_dp<kBlock512, 1>(xb, ldx, k, panel, bias32, ob, n, r, c0, cols);
+        panel_rest_dp<kBlock512, 1>(xb, ldx, rows - r, k, panel, bias32, ob, n, r, c0, cols);
+      }
+    }
+  }
+}
+#endif
+
 // Panels [p0, p1) for all m rows.
 template <typename W>
 void linear_panels_avx2(const float* xf, int64_t m, const W* packed, int64_t k, int64_t n,
@@ -361,10 +466,15 @@ at::Tensor pack_linear_weight(at::Tensor w) {
   }
 #endif
 #if defined(PDSERVE_LINEAR_AVX2)
-  // [N', K] -> [panels, 16 cols, K] -> [panels, K, 16 cols]
   const int64_t panels = (n + kPanelCols - 1) / kPanelCols;
   auto padded = at::zeros({panels * kPanelCols, k}, w.options());
   padded.narrow(0, 0, n).copy_(w);
+#if defined(PDSERVE_LINEAR_BF16DP)
+  // bf16: [N', K] -> [panels, 16 cols, K/2, 2] -> [panels, K/2, 16 cols, 2]
+  if (w.scalar_type() == at::kBFloat16)
+    return padded.view({panels, kPanelCols, k / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({-1});
+#endif
+  // [N', K] -> [panels, 16 cols, K] -> [panels, K, 16 cols]
   return padded.view({panels, kPanelCols, k}).transpose(1, 2).contiguous().view({-1});
 #else
   TORCH_CHECK(false, "linear_small_m needs AVX2 + FMA (see linear_small_m_available)");
@@ -417,6 +527,21 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
                     bias->numel() == n,
                 "bias must be contiguous [n] in x's dtype");
   auto out = at::empty({m, n}, x.options());
+#if defined(PDSERVE_LINEAR_BF16DP)
+  if (x.scalar_type() == at::kBFloat16) {
+    const c10::BFloat16* b =
+        bias.has_value() && bias->defined() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+    const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+    // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * 2));
+    parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+      linear_panels_dp(xp, x.stride(0), m, wp, k, n, b, op, p0, p1);
+    });
+    return out;
+  }
+#endif
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;

@@ -1,5 +1,5 @@
-"""The few-row linear kernel (pdserve_kernels/cpu/linear.cpp: AMX bf16, or AVX2 + FMA bf16 and
-float32) against a float64 product, and the model's Linear choosing it for decode-sized inputs
+"""The few-row linear kernel (pdserve_kernels/cpu/linear.cpp: AMX bf16, AVX512-BF16 pair dot
+products for bf16 without AMX, or AVX2 + FMA bf16 and float32) against a float64 product, and the model's Linear choosing it for decode-sized inputs
 only."""
 
 from __future__ import annotations
@@ -137,7 +137,8 @@ def test_linear_uses_the_kernel_for_few_rows_and_onednn_for_many(ops):
 @pytest.mark.parametrize("n", [200, 24, 40, 960])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ops, dtype, n):
     """Every row's sums run over k in order, whatever pass takes it (full passes of 6 fp32 /
-    4 bf16 rows on AVX2, 12 fp32 rows on AVX-512, 16 on AMX tiles, or the shorter pass of the
+    4 bf16 rows on AVX2, 12 fp32 or (AVX512-BF16 without AMX) bf16 rows on AVX-512, 16 on AMX
+    tiles, or the shorter pass of the
     rows left over): the same bits as the row multiplied alone, and the float64 product within
     rounding. (A request's logits must not change with the batch it decodes in; any faster
     split of the rows must keep this.)"""
