@@ -32,7 +32,7 @@ from pdserve.engine.attention import (
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.host_memory import HUGE_PAGE, zeroed_lazily
 from pdserve.engine.lora.manager import LoRAManager
-from pdserve.engine.models.llama import CausalLM
+from pdserve.engine.models.llama import SMALL_ROWS_MAX, CausalLM, small_rows_take_all
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
 from pdserve.engine.parallel import TensorParallelGroup
@@ -208,8 +208,10 @@ class PagedModel:
         self._pool_ops = (
             fused_ops if fused_ops is not None and fused_ops.kernel_pool_enabled() else None
         )
-        """fused_ops where the kernels' own pool runs (threads_hot's argument: asked once, not a
-        pybind call per forward), else None."""
+        """fused_ops where the kernels' own pool runs (asked once, not a pybind call per
+        forward), else None."""
+        self._pool_takes_all = self._pool_ops is not None and small_rows_take_all()
+        """Whether every product of every forward runs on the kernels (and so on their pool)."""
         self.device = device or torch.device("cpu")
         self.attention = attention or attention_backend("auto", self.device.type)
         """How this model's layers attend (engine/attention.py), chosen once here."""
@@ -274,10 +276,23 @@ class PagedModel:
         hidden, ends = self._forward(chunks)
         return self._logits_at(hidden, chunks, ends)
 
+    def _hot_ops(self, chunks: Sequence[ScheduledChunk]) -> ModuleType | None:
+        """threads_hot's argument for a forward over chunks: the pool's ops where every product
+        runs on the kernels, else None (the pool's workers then sleep between loops). Where
+        oneDNN takes the products of more than SMALL_ROWS_MAX rows (AVX-512 CPUs), those run on
+        torch's OpenMP threads, and a pool worker spinning beside them keeps one off its core:
+        on an AMD Zen 4, issue 17's served bf16 workload ran its prefill steps so slowly that
+        the pool cost 25% overall (engine loop alone, OMP_WAIT_POLICY=PASSIVE: 120-123 output
+        tok/s with a hot pool in every step vs 141-159 without the pool)."""
+        if self._pool_ops is None or self._pool_takes_all:
+            return self._pool_ops
+        rows = sum(len(chunk.token_ids) for chunk in chunks)
+        return self._pool_ops if rows <= SMALL_ROWS_MAX else None
+
     def _forward(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
         """One forward over every chunk: the final hidden states [tokens, hidden] and, per
         chunk in chunk order, the row just past its last token."""
-        with threads_hot(self._pool_ops):
+        with threads_hot(self._hot_ops(chunks)):
             return self._forward_hot(chunks)
 
     def _forward_hot(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, list[int]]:
@@ -321,7 +336,7 @@ class PagedModel:
         input_ids, positions, meta = self._prepare_inputs(batch)
         self._set_lora(batch)
         start = time.perf_counter()
-        with threads_hot(self._pool_ops):
+        with threads_hot(self._hot_ops(chunks)):
             hidden = self._run_model(input_ids, positions, meta)
         self.forward_time_s += time.perf_counter() - start
         out: list[torch.Tensor] = [hidden] * len(chunks)
@@ -451,7 +466,7 @@ class ModelRunner(PagedModel):
         accepted ones plus a correction or bonus token. draft_probs[request_id] ([k, V]) is the
         distribution its proposed tokens were drawn from; absent means one-hot (n-gram).
         prompt_logprobs[request_id]: the prompt logprobs to score from that request's chunk."""
-        with threads_hot(self._pool_ops):
+        with threads_hot(self._hot_ops(output.chunks)):
             return self._execute(output, rows, draft_probs, prompt_logprobs)
 
     def _execute(

@@ -149,3 +149,30 @@ def test_hot_scope_nests_and_always_ends() -> None:
     with cpu.threads_hot(off), cpu.threads_hot(None):
         pass
     assert calls == [True, False, True, False]
+
+
+def test_the_engine_runs_the_pool_hot_only_where_every_product_is_the_kernels() -> None:
+    """A forward whose products oneDNN takes (more than SMALL_ROWS_MAX rows, on CPUs where the
+    kernel does not take every row count) runs them on OpenMP's threads: the pool must not spin
+    beside them (ModelRunner._hot_ops gives None there); decode-sized forwards, and every
+    forward where the kernel takes all rows, run hot; without the pool nothing is hot."""
+    from pdserve.engine.model_runner import ModelRunner
+    from pdserve.engine.models.llama import SMALL_ROWS_MAX
+
+    pool = SimpleNamespace(name="the kernels' ops")
+
+    def chunks(*sizes: int) -> list[SimpleNamespace]:
+        return [SimpleNamespace(token_ids=[0] * n) for n in sizes]
+
+    def hot(runner: SimpleNamespace, *sizes: int) -> object:
+        return ModelRunner._hot_ops(runner, chunks(*sizes))
+
+    mixed = SimpleNamespace(_pool_ops=pool, _pool_takes_all=False)
+    assert hot(mixed, *[1] * 48) is pool
+    assert hot(mixed, SMALL_ROWS_MAX - 8, 1, 1, 1, 1, 1, 1, 1, 1) is pool  # exactly the limit
+    assert hot(mixed, SMALL_ROWS_MAX, 1) is None  # one row past it: oneDNN's
+    assert hot(mixed, 512, *[1] * 7) is None
+    kernel_only = SimpleNamespace(_pool_ops=pool, _pool_takes_all=True)
+    assert hot(kernel_only, 2048) is pool
+    off = SimpleNamespace(_pool_ops=None, _pool_takes_all=False)
+    assert hot(off, 1) is None and hot(off, 2048) is None
