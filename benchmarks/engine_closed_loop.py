@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     for spec in args.variant or ["this="]:
         name, _, env = spec.partition("=")
         variants[name] = dict(kv.split("=", 1) for kv in env.split(",") if kv)
-    argv_child = [a for a in (argv if argv is not None else sys.argv[1:])]
+    argv_child = list(argv if argv is not None else sys.argv[1:])
     results: dict[str, list[dict]] = {name: [] for name in variants}
     for rnd in range(args.rounds):
         for name, env in variants.items():

@@ -527,28 +527,25 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
                     bias->numel() == n,
                 "bias must be contiguous [n] in x's dtype");
   auto out = at::empty({m, n}, x.options());
-#if defined(PDSERVE_LINEAR_BF16DP)
-  if (x.scalar_type() == at::kBFloat16) {
-    const c10::BFloat16* b =
-        bias.has_value() && bias->defined() ? bias->data_ptr<c10::BFloat16>() : nullptr;
-    const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
-    const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
-    c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-    // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
-    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * 2));
-    parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
-      linear_panels_dp(xp, x.stride(0), m, wp, k, n, b, op, p0, p1);
-    });
-    return out;
-  }
-#endif
   auto run = [&](auto tag) {
     using W = decltype(tag);
     const W* b = bias.has_value() && bias->defined() ? bias->data_ptr<W>() : nullptr;
+    const W* xp = x.data_ptr<W>();
+    const W* wp = packed.data_ptr<W>();
+    W* op = out.data_ptr<W>();
+    // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
+    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
+#if defined(PDSERVE_LINEAR_BF16DP)
+    if constexpr (std::is_same_v<W, c10::BFloat16>) {  // x's bf16 pairs read where they lie
+      parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
+        linear_panels_dp(xp, x.stride(0), m, wp, k, n, b, op, p0, p1);
+      });
+      return;
+    }
+#endif
     // x as float32 rows packed K apart: x itself when it already is, else widened (or packed)
     // once, both threads a share of the rows, into a buffer the calling thread keeps (a
     // prefill's x is megabytes: a fresh allocation each call would fault its pages in again).
-    const W* xp = x.data_ptr<W>();
     static thread_local std::vector<float> xf;
     const float* xrows = nullptr;
     if constexpr (std::is_same_v<W, float>) {
@@ -564,10 +561,6 @@ at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
       });
       xrows = dst;
     }
-    const W* wp = packed.data_ptr<W>();
-    W* op = out.data_ptr<W>();
-    // Panels per task: at least 64 KiB of W, so waking the second thread pays off.
-    const int64_t grain = std::max<int64_t>(1, (64 << 10) / (kPanelCols * k * sizeof(W)));
     parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) {
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<W, float>)
