@@ -32,7 +32,7 @@ from pdserve.engine.attention import (
 from pdserve.engine.cuda_graphs import DecodeGraphs
 from pdserve.engine.host_memory import HUGE_PAGE, zeroed_lazily
 from pdserve.engine.lora.manager import LoRAManager
-from pdserve.engine.models.llama import SMALL_ROWS_MAX, CausalLM, small_rows_take_all
+from pdserve.engine.models.llama import SMALL_ROWS_MAX, CausalLM
 from pdserve.engine.models.loader import ModelArch
 from pdserve.engine.outputs import SampledTokens, ScheduledChunk, SchedulerOutput
 from pdserve.engine.parallel import TensorParallelGroup
@@ -210,8 +210,10 @@ class PagedModel:
         )
         """fused_ops where the kernels' own pool runs (asked once, not a pybind call per
         forward), else None."""
-        self._pool_takes_all = self._pool_ops is not None and small_rows_take_all()
-        """Whether every product of every forward runs on the kernels (and so on their pool)."""
+        self._pool_takes_all = self._pool_ops is not None and model.products_on_kernel()
+        """Whether every product of every forward runs on the kernels (and so on their pool):
+        where the pool runs, small_rows_take_all gives them every weight they have a layout
+        for."""
         self.device = device or torch.device("cpu")
         self.attention = attention or attention_backend("auto", self.device.type)
         """How this model's layers attend (engine/attention.py), chosen once here."""
@@ -279,11 +281,13 @@ class PagedModel:
     def _hot_ops(self, chunks: Sequence[ScheduledChunk]) -> ModuleType | None:
         """threads_hot's argument for a forward over chunks: the pool's ops where every product
         runs on the kernels, else None (the pool's workers then sleep between loops). Where
-        oneDNN takes the products of more than SMALL_ROWS_MAX rows (AVX-512 CPUs), those run on
-        torch's OpenMP threads, and a pool worker spinning beside them keeps one off its core:
-        on an AMD Zen 4, issue 17's served bf16 workload ran its prefill steps so slowly that
-        the pool cost 25% overall (engine loop alone, OMP_WAIT_POLICY=PASSIVE: 120-123 output
-        tok/s with a hot pool in every step vs 141-159 without the pool)."""
+        oneDNN takes the products of more than SMALL_ROWS_MAX rows (a weight without the
+        kernel's layout), those run on torch's OpenMP threads, and a pool worker spinning
+        beside them keeps one off its core: on an AMD Zen 4, issue 17's served bf16 workload
+        ran its prefill steps so slowly that the pool cost 25% overall while oneDNN took every
+        prefill product (engine loop alone, OMP_WAIT_POLICY=PASSIVE: 120-123 output tok/s with
+        a hot pool in every step vs 141-159 without the pool; 173 now that the kernel takes
+        them, small_rows_take_all)."""
         if self._pool_ops is None or self._pool_takes_all:
             return self._pool_ops
         rows = sum(len(chunk.token_ids) for chunk in chunks)

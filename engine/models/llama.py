@@ -134,7 +134,8 @@ there: 1.4-1.9x at 1-48 rows, 1.07-1.2x at 64-128; bf16 weights without AMX but 
 AVX512-BF16 (AMD Zen 4), to a vdpbf16ps loop: 1.4-1.75x at 1-16 rows, 1.08-1.34x at 32-128.
 On AVX2 without AVX-512 (AMD Zen 3)
 the kernel takes every row count (small_rows_take_all): 2.1-2.7x at 1-4 rows, 1.1-1.35x
-from 16 to 2048 (benchmarks/small_rows_linear.py --dtype)."""
+from 16 to 2048 (benchmarks/small_rows_linear.py --dtype); so it does wherever the kernels'
+own pool runs (served nodes)."""
 
 
 def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
@@ -159,13 +160,20 @@ def pack_small_rows(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def small_rows_take_all() -> bool:
-    """Whether the few-row kernel takes products of every row count here (an AVX2 CPU without
-    AVX-512, where it outruns oneDNN: pdserve_kernels/cpu/linear.cpp), so weights it has a
-    layout for get no oneDNN copy."""
+    """Whether the few-row kernel takes products of every row count here, so weights it has a
+    layout for get no oneDNN copy: on an AVX2 CPU without AVX-512, where it outruns oneDNN
+    (pdserve_kernels/cpu/linear.cpp), and wherever the kernels' own pool runs their loops
+    (PDSERVE_KERNEL_POOL=1: a served node whose threads have the cores, with OpenMP's threads
+    PASSIVE). There oneDNN's products of a prefill chunk ran on sleeping OpenMP threads, a
+    wake-up per product, beside a pool that cannot spin while they compute: on an AMD Zen 4 a
+    512-token step of SmolLM2 took 450 ms in bf16 vs 360 ms with every product on the kernel,
+    whose many-row rate there is oneDNN's within 4% (~400 GFLOP/s bf16, ~200 float32, 128 to
+    2048 rows); issue 17's served workload on the engine alone, 150 -> 173 output tok/s in bf16,
+    92 -> 113 in float32 (benchmarks/engine_closed_loop.py). Unmeasured on AMX CPUs."""
     from pdserve.kernels.cpu import cpu_ops
 
     ops = cpu_ops()
-    return ops is not None and ops.linear_small_m_all_rows()
+    return ops is not None and (ops.linear_small_m_all_rows() or ops.kernel_pool_enabled())
 
 
 def packed_linear(
@@ -470,6 +478,16 @@ class CausalLM(UsesFusedOps, nn.Module):
             hidden, weight, self._packed_tied_head, None, self._small_tied_head, self.fused_ops
         )
         return head[:n].float()
+
+    def products_on_kernel(self) -> bool:
+        """Whether every product of every forward runs on the few-row kernel: each projection
+        (and a tied head) has its layout and no oneDNN copy (small_rows_take_all)."""
+        if self.lm_head is None and (
+            self._small_tied_head is None or self._packed_tied_head is not None
+        ):
+            return False
+        linears = [module for module in self.modules() if isinstance(module, Linear)]
+        return all(module.small is not None and module.packed is None for module in linears)
 
     def use_cpu_fused_ops(self, ops: ModuleType | None) -> None:
         """Run this model's RMSNorm (+ residual add), RoPE, SiLU*up and few-row products on

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdserve.kernels import cpu
+from pdserve.make_model import make_model
 
 # Every kernel with a parallel loop, at sizes that split across two threads, in float32 and
 # bf16; prints the pool's state and one digest of every output's bytes.
@@ -176,3 +177,63 @@ def test_the_engine_runs_the_pool_hot_only_where_every_product_is_the_kernels() 
     assert hot(kernel_only, 2048) is pool
     off = SimpleNamespace(_pool_ops=None, _pool_takes_all=False)
     assert hot(off, 1) is None and hot(off, 2048) is None
+
+
+_TAKE_ALL = textwrap.dedent(
+    """
+    import os, torch
+    from pdserve.engine import LLM, SamplingParams
+    from pdserve.engine.models.llama import Linear, small_rows_take_all
+    from pdserve.kernels.cpu import cpu_ops
+    torch.set_num_threads(2)
+    ops = cpu_ops()
+    llm = LLM(model=os.environ["MODEL"], dtype="float32", max_num_batched_tokens=512)
+    model = llm.engine.runner.model
+    every_layout = all(m.weight.shape[1] % 32 == 0 for m in model.modules() if isinstance(m, Linear))
+    rows = []
+    real = ops.linear_small_m
+    def spy(x, *rest):
+        rows.append(x.shape[0])
+        return real(x, *rest)
+    ops.linear_small_m = spy
+    prompts = [[(7 * i + 3) % 97 + 5 for i in range(300)], [11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print(ops.linear_small_m_available(), ops.linear_small_m_all_rows(), small_rows_take_all(),
+          every_layout, model.products_on_kernel(), llm.engine.runner._pool_takes_all,
+          max(rows, default=0) > 128, ",".join(str(t) for o in outs for t in o.outputs[0].token_ids))
+    """
+)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_where_the_pool_runs_the_kernel_takes_every_product(
+    built, preset, tiny_llama, tmp_path_factory
+) -> None:
+    """A node with the kernels' pool (PDSERVE_KERNEL_POOL=1, a served node whose threads fit
+    the cores) keeps no oneDNN copy of a weight the kernel has a layout for: its prefill
+    chunks' products (300 rows here) run on the kernel, on the pool, with the same greedy
+    tokens as oneDNN gives them without the pool; without it, oneDNN takes the products of
+    more than SMALL_ROWS_MAX rows except on AVX2-only CPUs. The pool stays hot in every
+    forward only where every weight has the layout (the small preset; the tiny one's down
+    projection, K = 688, has none)."""
+    if preset == "tiny":
+        model = tiny_llama
+    else:
+        model = str(tmp_path_factory.mktemp("small_llama"))
+        make_model("llama", "small", model, seed=0)
+    seen = {}
+    for pool in ("0", "1"):
+        *flags, tokens = run(_TAKE_ALL, PDSERVE_KERNEL_POOL=pool, MODEL=model)
+        available, avx2_only, take_all, every_layout, on_kernel, runs_hot, many_rows = (
+            f == "True" for f in flags
+        )
+        assert available, "the few-row kernel runs on every AVX2 + FMA CPU these tests use"
+        assert every_layout == (preset == "small")
+        assert take_all == (avx2_only or pool == "1")
+        assert on_kernel == (take_all and every_layout)
+        assert runs_hot == (on_kernel and pool == "1")
+        assert many_rows == take_all
+        seen[pool] = tokens
+    assert len(seen["1"].split(",")) == 16
+    assert seen["0"] == seen["1"]
