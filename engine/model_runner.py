@@ -328,6 +328,8 @@ class PagedModel:
         ]
         if not index:
             return hidden.new_zeros((0, self.arch.vocab_size), dtype=torch.float32)
+        if index == list(range(hidden.shape[0])):  # every row (decode steps): no gather copy
+            return self.model.compute_logits(hidden)
         rows = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])
 
@@ -522,12 +524,14 @@ class ModelRunner(PagedModel):
         chunks: list[tuple[ScheduledChunk, int]],
         rows: Mapping[str, SampleRow],
     ) -> dict[str, SampledTokens]:
-        index = torch.tensor([offset for _, offset in chunks], dtype=torch.long)
+        offsets = [offset for _, offset in chunks]
+        if offsets != list(range(logits.shape[0])):  # else every row in order: no gather copy
+            logits = logits[torch.tensor(offsets, dtype=torch.long).to(logits.device)]
         sample_rows = [rows[c.request_id] for c, _ in chunks]
         meta = SamplingMetadata.build(
             sample_rows, logits.shape[-1], logits.device, self.sampling_ops
         )
-        out = self.sampler(logits[index.to(logits.device)], meta)
+        out = self.sampler(logits, meta)
         return {
             c.request_id: SampledTokens([tok], [lp] if lp is not None else None)
             for (c, _), tok, lp in zip(chunks, out.token_ids, out.logprobs, strict=True)
