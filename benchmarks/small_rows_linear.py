@@ -6,7 +6,9 @@ One "step" multiplies R rows by every projection of SmolLM2-135M's 30 layers (q/
 960x576, o 576x576, gate/up fused 3072x576, down 576x1536: 213 MB of bf16 weights, random), in
 layer order, so the weights stream from memory as in a decode step rather than sitting in
 cache. The two paths alternate step by step; each reports its median step and the weight bytes
-read per second; the ratio is oneDNN / kernel time.
+read per second; the ratio is oneDNN / kernel time. The kernel path gives the kernel every row
+count, as the engine does where it takes them all (small_rows_take_all: AVX2-only CPUs, and
+nodes running the kernels' pool); elsewhere oneDNN takes more than SMALL_ROWS_MAX rows.
 
     .venv/bin/python benchmarks/small_rows_linear.py            # ~1 min here
     .venv/bin/python benchmarks/small_rows_linear.py --rows 1 4 16 --repeats 20
@@ -68,8 +70,8 @@ def main() -> None:
             for w, packed, few in zip(weights[layer], onednn[layer], small[layer], strict=True):
                 if path == "onednn":
                     packed_linear(xs[w.shape[1]], w, packed, None)
-                else:
-                    packed_linear(xs[w.shape[1]], w, packed, None, few, ops)
+                else:  # no oneDNN copy: the kernel takes every row count (small_rows_take_all)
+                    packed_linear(xs[w.shape[1]], w, None, None, few, ops)
         return time.perf_counter() - start
 
     results = []
@@ -86,6 +88,9 @@ def main() -> None:
             "rows": rows,
             "median_ms": {p: round(1e3 * t, 2) for p, t in med.items()},
             "weight_gb_per_s": {p: round(nbytes / t / 1e9, 1) for p, t in med.items()},
+            "gflop_per_s": {
+                p: round(rows * nbytes / dtype.itemsize * 2 / t / 1e9) for p, t in med.items()
+            },
             "kernel_speedup": round(med["onednn"] / med["kernel"], 2),
         }
         results.append(row)
