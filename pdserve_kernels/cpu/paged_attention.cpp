@@ -468,7 +468,8 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
         (start + n) / block_size <= (seq_len - 1) / block_size) {
       // One kv head: its K and V are two 2 KiB runs per block; the next block's are fetched
       // while this one is computed (Intel AMX, at 4 x 7.7k tokens: 1.45 -> 1.02 ms a call,
-      // with the tiles' q . k). Into L2, not L1: on Zen 4, 1.77 -> 1.34 ms there (bf16).
+      // with the tiles' q . k). Into L2, not L1: on Zen 4 (bf16, 4 x 7680) 1.84 -> 1.64 ms
+      // a call, medians of alternating builds (unmeasured on AMX since).
       const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride +
                                                        h_begin * head_stride);
       for (int64_t off = 0; off < head_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
@@ -479,8 +480,8 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
     // All heads in a task: the next block's K and V runs (6 KiB each for SmolLM2) are
     // fetched into L2 a share per head, spread over this block's heads rather than all at
     // once (into L1, or two blocks ahead, measured slower). Zen 4, bf16, 30 layers' caches
-    // in turn (benchmarks/decode_attention_cpu.py): 8 x 290 tokens 0.14-0.16 -> 0.10 ms a
-    // call, 48 x 450 1.14-1.33 -> 0.89-0.90.
+    // in turn (benchmarks/decode_attention_cpu.py), medians of alternating builds: 8 x 290
+    // tokens 0.16 -> 0.12 ms a call, 48 x 450 1.41 -> 1.02.
     const bool ahead = h_end - h_begin > 1 && in_block == 0 && b < (seq_len - 1) / block_size;
     const char* next_k = ahead ? reinterpret_cast<const char*>(cache + table[b + 1] * block_stride +
                                                                h_begin * head_stride)
