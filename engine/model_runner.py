@@ -328,7 +328,8 @@ class PagedModel:
         ]
         if not index:
             return hidden.new_zeros((0, self.arch.vocab_size), dtype=torch.float32)
-        if index == list(range(hidden.shape[0])):  # every row (decode steps): no gather copy
+        if len(index) == hidden.shape[0] and index == list(range(len(index))):
+            # every row in order (decode steps): no gather copy
             return self.model.compute_logits(hidden)
         rows = torch.tensor(index, dtype=torch.long).to(hidden.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])
@@ -525,7 +526,8 @@ class ModelRunner(PagedModel):
         rows: Mapping[str, SampleRow],
     ) -> dict[str, SampledTokens]:
         offsets = [offset for _, offset in chunks]
-        if offsets != list(range(logits.shape[0])):  # else every row in order: no gather copy
+        # every row in order (decode steps): no gather copy
+        if len(offsets) != logits.shape[0] or offsets != list(range(len(offsets))):
             logits = logits[torch.tensor(offsets, dtype=torch.long).to(logits.device)]
         sample_rows = [rows[c.request_id] for c, _ in chunks]
         meta = SamplingMetadata.build(

@@ -464,25 +464,16 @@ void decode_heads_avx512(const T* q, const T* cache, const int64_t* table, int64
     const int64_t n = std::min<int64_t>({16, seq_len - start, block_size - in_block});
     const __mmask16 valid = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
     const T* block = cache + table[b] * block_stride + in_block * kD;
-    if (h_end - h_begin == 1 && in_block + n == block_size &&
-        (start + n) / block_size <= (seq_len - 1) / block_size) {
-      // One kv head: its K and V are two 2 KiB runs per block; the next block's are fetched
-      // while this one is computed (Intel AMX, at 4 x 7.7k tokens: 1.45 -> 1.02 ms a call,
-      // with the tiles' q . k). Into L2, not L1: on Zen 4 (bf16, 4 x 7680) 1.84 -> 1.64 ms
-      // a call, medians of alternating builds (unmeasured on AMX since).
-      const char* next = reinterpret_cast<const char*>(cache + table[b + 1] * block_stride +
-                                                       h_begin * head_stride);
-      for (int64_t off = 0; off < head_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
-        _mm_prefetch(next + off, _MM_HINT_T1);
-        _mm_prefetch(next + kv_stride * static_cast<int64_t>(sizeof(T)) + off, _MM_HINT_T1);
-      }
-    }
-    // All heads in a task: the next block's K and V runs (6 KiB each for SmolLM2) are
-    // fetched into L2 a share per head, spread over this block's heads rather than all at
-    // once (into L1, or two blocks ahead, measured slower). Zen 4, bf16, 30 layers' caches
-    // in turn (benchmarks/decode_attention_cpu.py), medians of alternating builds: 8 x 290
-    // tokens 0.16 -> 0.12 ms a call, 48 x 450 1.41 -> 1.02.
-    const bool ahead = h_end - h_begin > 1 && in_block == 0 && b < (seq_len - 1) / block_size;
+    // The next block's K and V runs of this task's heads (2 KiB each for one head of
+    // SmolLM2, 6 KiB for all three) are fetched into L2 while this block's last tile is
+    // computed, a share per head, spread over the heads rather than all at once (into L1,
+    // or two blocks ahead, measured slower). One head, Intel AMX, 4 x 7.7k tokens: 1.45 ->
+    // 1.02 ms a call (into L1, with the tiles' q . k; unmeasured on AMX since). Zen 4, bf16,
+    // 30 layers' caches in turn (benchmarks/decode_attention_cpu.py), medians of alternating
+    // builds: one head (4 x 7680) 1.84 -> 1.64 ms a call for L2 over L1; all heads, where
+    // nothing was prefetched before, 8 x 290 tokens 0.16 -> 0.12, 48 x 450 1.41 -> 1.02.
+    const bool ahead = in_block + n == block_size &&
+                       (start + n) / block_size <= (seq_len - 1) / block_size;
     const char* next_k = ahead ? reinterpret_cast<const char*>(cache + table[b + 1] * block_stride +
                                                                h_begin * head_stride)
                                : nullptr;
