@@ -33,6 +33,7 @@ from pdserve.common.node_metrics import NodeMetrics
 from pdserve.common.node_service import ErrorInterceptor, NodeService
 from pdserve.common.tls import TLSFiles, add_port
 from pdserve.engine.arg_utils import EngineArgs
+from pdserve.engine.core_turns import CoreTurns
 from pdserve.engine.engine_loop import EngineLoop
 from pdserve.engine.llm_engine import EngineKVConnector, LLMEngine
 from pdserve.engine.platform import freeze_startup_objects
@@ -228,7 +229,8 @@ async def serve_node(role: NodeRole, engine_args: EngineArgs) -> None:
         engine = build_engine(engine_args, config, kv_connector=connector)
         metrics = NodeMetrics(engine, role.name, model, this_node)
         metrics_server = start_metrics_server(metrics.registry, config)
-        engine_loop = EngineLoop(engine, loop)
+        turns = CoreTurns(config.shared_cores_lock) if config.shared_cores_lock else None
+        engine_loop = EngineLoop(engine, loop, turns)
         parts = NodeParts(
             engine_args,
             model,

@@ -6,6 +6,7 @@ state-changing methods then refuse other threads). Everything else talks to it t
 receives what each step produced for a request on that request's stream: its updates and, on a
 decode node, the remote prefill its admission asks for. Between steps the thread runs queued
 calls; when there is nothing to compute it sleeps on its inbox, so an idle node burns no CPU.
+Where nodes share cores (engine/core_turns.py), each step first waits for this node's turn.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from pdserve.engine.core_turns import CoreTurns
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.outputs import RemotePrefill, RequestUpdate, StepOutput
 from pdserve.engine.request import RequestStatus
@@ -60,9 +62,17 @@ class RequestStream:
 class EngineLoop:
     """Owns the engine thread and delivers each step's output to the requests' streams."""
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        turns: CoreTurns | None = None,
+    ) -> None:
+        """turns: where the node shares its cores with other nodes, each step waits for its
+        turn (engine/core_turns.py)."""
         self.engine = engine
         self.loop = loop
+        self._turns = turns
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # touched on the event loop only
         self._stop = threading.Event()
@@ -159,7 +169,7 @@ class EngineLoop:
                 self._run_inbox(wait_s=0.0 if self.engine.has_work() else IDLE_WAIT_S)
                 if self._stop.is_set() or not self.engine.has_work():
                     continue
-                output = self.engine.step()
+                output = self._step()
                 if output:
                     self._note_tokens(output.updates)
                     self.loop.call_soon_threadsafe(self._deliver, output)
@@ -169,6 +179,12 @@ class EngineLoop:
             logger.exception("engine thread failed")
             self.error = e
             self.loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _step(self) -> StepOutput:
+        if self._turns is None:
+            return self.engine.step()
+        with self._turns.turn():
+            return self.engine.step()
 
     def _run_inbox(self, wait_s: float) -> None:
         try:

@@ -19,6 +19,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -107,6 +108,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--pin-cpus",
         action="store_true",
         help="pin node k to CPU core k mod cores (with --num-threads 1: one core per node)",
+    )
+    p.add_argument(
+        "--core-turns",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="where two or more nodes' threads outnumber the cores and --pin-cpus is off, the "
+        "nodes take turns on the cores, one engine step at a time with every core (a shared "
+        "lock file; README, 'Turns on shared cores'), instead of computing at once on "
+        "oversubscribed cores; their prefill nodes then take the aggregated node's "
+        f"{AGGREGATED_MAX_NUM_BATCHED_TOKENS}-token budget unless --max-num-batched-tokens is "
+        "given. --no-core-turns: let the OS share the cores",
     )
     p.add_argument(
         "--startup-timeout-s",
@@ -200,13 +212,16 @@ def node_argv(
     """The `pdserve` argv of one node: serve's engine and node flags, then --node-arg, its port,
     then --prefill-node-arg or --decode-node-arg (the last of a repeated flag wins)."""
     decode = role == "decode"
+    turns_lock = getattr(args, "shared_cores_lock", None)
     argv = ["--log-level", args.log_level, role]
     argv += EngineArgs.from_cli_args(args).to_argv(decode=decode)
     local_prefill = decode and args.num_prefill == 0 and args.enable_chunked_prefill
-    if local_prefill and not hasattr(args, "max_num_batched_tokens"):
+    small_chunks = local_prefill or (not decode and turns_lock is not None)
+    if small_chunks and not hasattr(args, "max_num_batched_tokens"):
         argv += flag_argv("max_num_batched_tokens", AGGREGATED_MAX_NUM_BATCHED_TOKENS)
     names = _NODE_FLAGS + _TLS_FLAGS
     fields = {name: getattr(args, name) for name in names}
+    fields["shared_cores_lock"] = turns_lock
     if args.served_model_name:
         fields["served_model_name"] = args.served_model_name[0]
     argv += config_argv(NodeConfig(**fields))
@@ -264,6 +279,13 @@ def threads_fit_cores(args: argparse.Namespace) -> bool:
     return nodes * (args.num_threads or cores) <= cores
 
 
+def takes_core_turns(args: argparse.Namespace) -> bool:
+    """Whether serve's nodes take turns on the cores (engine/core_turns.py): --core-turns, two
+    or more nodes, not pinned, and their threads outnumber the cores."""
+    nodes = args.num_prefill + args.num_decode
+    return args.core_turns and not args.pin_cpus and nodes > 1 and not threads_fit_cores(args)
+
+
 def _spawn(
     name: str, argv: list[str], core: int | None, kernel_pool: bool = False
 ) -> subprocess.Popen:
@@ -282,7 +304,9 @@ def start_stack(args: argparse.Namespace) -> list[Child]:
             metrics_port = free_port() if args.node_metrics else None
             argv = node_argv(args, role, port, metrics_port)
             core = len(children) % cores if args.pin_cpus else None
-            process = _spawn(f"{role}-{i}", argv, core, threads_fit_cores(args))
+            # A node's kernel pool spins inside its steps only: with turns, a step has every core.
+            pool = threads_fit_cores(args) or getattr(args, "shared_cores_lock", None) is not None
+            process = _spawn(f"{role}-{i}", argv, core, pool)
             metrics_address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
             children.append(
                 Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address, argv, core)
@@ -450,6 +474,29 @@ def _prepare_cpu_kernels() -> None:
 def run(args: argparse.Namespace) -> int:
     if args.num_decode < 1:
         raise ValueError("--num-decode must be >= 1")
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
+    base = f"{scheme}://{host}:{args.port}"
+    tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
+    _prepare_model(args.model, args.tokenizer)
+    _prepare_cpu_kernels()
+    turns = takes_core_turns(args)
+    turns_dir = tempfile.TemporaryDirectory(prefix="pdserve-cores-") if turns else None
+    if turns_dir is not None:
+        args.shared_cores_lock = os.path.join(turns_dir.name, "turn.lock")
+        logger.info(
+            "%d nodes share %d cores: they take turns, a step at a time (--no-core-turns: off)",
+            args.num_prefill + args.num_decode,
+            len(os.sched_getaffinity(0)),
+        )
+    try:
+        return _run_stack(args, base, host, tls)
+    finally:
+        if turns_dir is not None:
+            turns_dir.cleanup()
+
+
+def _run_stack(args: argparse.Namespace, base: str, host: str, tls: TLSFiles | None) -> int:
     stopping = False
     roll_requested = False
 
@@ -464,12 +511,6 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
-    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    scheme = "https" if args.ssl_certfile or os.environ.get("PDSERVE_SSL_CERTFILE") else "http"
-    base = f"{scheme}://{host}:{args.port}"
-    tls = NodeConfig(**{name: getattr(args, name) for name in _TLS_FLAGS}).tls_files()
-    _prepare_model(args.model, args.tokenizer)
-    _prepare_cpu_kernels()
     for attempt in range(1, _START_ATTEMPTS + 1):
         children = start_stack(args)
         try:

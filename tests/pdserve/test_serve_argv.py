@@ -183,3 +183,55 @@ def test_start_stack_wires_the_addresses(
     assert all(argv[:2] == ["--log-level", "DEBUG"] for argv in spawned.values())
     # 3 nodes of args.num_threads each on 2 CPUs: no spinning kernel pool anywhere
     assert not any(pooled.values())
+
+
+def test_nodes_take_turns_where_their_threads_outnumber_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+
+    def turns(*flags: str) -> bool:
+        return serve.takes_core_turns(build_parser().parse_args(["serve", "--model", "m", *flags]))
+
+    assert turns()  # serve's default 1 + 1, a thread per core each
+    assert turns("--num-prefill", "2", "--num-threads", "1")
+    assert not turns("--no-core-turns")
+    assert not turns("--pin-cpus")  # each node on its own core: nothing to share
+    assert not turns("--num-prefill", "0")  # one node
+    assert not turns("--num-threads", "1")  # 1 + 1 threads on 2 cores fit
+
+
+def test_turn_taking_nodes_get_the_lock_and_prefill_nodes_small_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parse = build_parser().parse_args
+    args = parse(["serve", "--model", "m"])
+    args.shared_cores_lock = "/tmp/pdserve-cores-x/turn.lock"  # what run() sets
+    for role, config in (("prefill", PrefillNodeConfig), ("decode", DecodeNodeConfig)):
+        node = config.from_cli_args(parse(serve.node_argv(args, role, 7001, None)))
+        assert node.shared_cores_lock == args.shared_cores_lock
+    aggregated = serve.AGGREGATED_MAX_NUM_BATCHED_TOKENS
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "prefill", 7001, None)))
+    assert budget.max_num_batched_tokens == aggregated
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "decode", 7001, None)))
+    assert budget.max_num_batched_tokens == 2048  # fed by the prefill node, as before
+    given = parse(["serve", "--model", "m", "--max-num-batched-tokens", "1024"])
+    given.shared_cores_lock = args.shared_cores_lock
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(given, "prefill", 7001, None)))
+    assert budget.max_num_batched_tokens == 1024
+    # without turns: no lock flag at all
+    plain = parse(serve.node_argv(parse(["serve", "--model", "m"]), "decode", 7001, None))
+    assert DecodeNodeConfig.from_cli_args(plain).shared_cores_lock is None
+    # with turns a step has every core: the nodes' kernel pools may spin inside their steps
+    pooled: dict[str, bool] = {}
+
+    def spawn(name: str, argv: list[str], core: int | None, kernel_pool: bool = False) -> _Process:
+        pooled[name] = kernel_pool
+        return _Process()
+
+    ports = iter(range(7001, 7100))
+    monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(ports))
+    monkeypatch.setattr(serve, "_spawn", spawn)
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
+    serve.start_stack(args)
+    assert pooled == {"prefill-0": True, "decode-0": True, "gateway": False}
