@@ -38,7 +38,7 @@ def test_flags_and_help() -> None:
     DecodeNodeConfig.add_cli_args(p)
     by_dest = {a.dest: a for a in p._actions}
     assert [s for a in p._actions for s in a.option_strings][2:] == [
-        "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name", "--host", "--port", "--served-model-name", "--num-threads", "--node-id",
+        "--tls-cert", "--tls-key", "--tls-ca", "--tls-server-name", "--host", "--port", "--served-model-name", "--num-threads", "--shared-cores-lock", "--node-id",
         "--kv-transport", "--metrics-port", "--metrics-host", "--drain-timeout-s", "--model-version",
         "--kv-host",
         "--kv-port", "--prefill-timeout-s", "--kv-transfer-timeout-s", "--token-timeout-s",
