@@ -25,9 +25,10 @@ class NodeConfig(InternalTLSConfig):
     num_threads: int | None = None
     """Torch threads for the forward pass; None: torch's choice, all cores."""
     shared_cores_lock: str | None = None
-    """Lock file of the nodes that compute on the same cores (`pdserve serve` sets it when its
-    nodes' threads outnumber the cores): each engine step holds it, so the nodes take turns,
-    a step at a time with every core, instead of oversubscribing the cores. None: no turns."""
+    """Lock file of the nodes that compute on the same cores (`pdserve serve` sets it when two
+    or more of its nodes each compute on every core): each engine step holds it, so the nodes
+    take turns, a step at a time with every core, instead of oversubscribing the cores. None:
+    no turns."""
     node_id: str | None = None
     """Stable node id; None: role-host-pid-random."""
     kv_transport: Literal["ucx", "tcp"] = "ucx"

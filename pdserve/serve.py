@@ -113,7 +113,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--core-turns",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="where two or more nodes' threads outnumber the cores and --pin-cpus is off, the "
+        help="where two or more nodes each compute on every core (--num-threads left out, or "
+        "as many as the cores) and --pin-cpus is off, the "
         "nodes take turns on the cores, one engine step at a time with every core (a shared "
         "lock file; README, 'Turns on shared cores'), instead of computing at once on "
         "oversubscribed cores; their prefill nodes then take the aggregated node's "
@@ -281,9 +282,13 @@ def threads_fit_cores(args: argparse.Namespace) -> bool:
 
 def takes_core_turns(args: argparse.Namespace) -> bool:
     """Whether serve's nodes take turns on the cores (engine/core_turns.py): --core-turns, two
-    or more nodes, not pinned, and their threads outnumber the cores."""
+    or more nodes, not pinned, each computing on every core (a node without --num-threads takes
+    one thread per core). Nodes of fewer threads each keep computing side by side: one at a time
+    would leave cores idle."""
     nodes = args.num_prefill + args.num_decode
-    return args.core_turns and not args.pin_cpus and nodes > 1 and not threads_fit_cores(args)
+    cores = len(os.sched_getaffinity(0))
+    threads = args.num_threads or cores
+    return args.core_turns and not args.pin_cpus and nodes > 1 and threads >= cores
 
 
 def _spawn(

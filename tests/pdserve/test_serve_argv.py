@@ -194,7 +194,9 @@ def test_nodes_take_turns_where_their_threads_outnumber_the_cores(
         return serve.takes_core_turns(build_parser().parse_args(["serve", "--model", "m", *flags]))
 
     assert turns()  # serve's default 1 + 1, a thread per core each
-    assert turns("--num-prefill", "2", "--num-threads", "1")
+    assert turns("--num-threads", "2") and turns("--num-prefill", "2", "--num-threads", "3")
+    # one thread each: one node at a time would leave a core idle; the OS shares them
+    assert not turns("--num-prefill", "2", "--num-threads", "1")
     assert not turns("--no-core-turns")
     assert not turns("--pin-cpus")  # each node on its own core: nothing to share
     assert not turns("--num-prefill", "0")  # one node
