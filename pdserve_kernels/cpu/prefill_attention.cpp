@@ -467,6 +467,93 @@ struct Scratch {
   }
 };
 
+#if defined(__AVX512BW__)
+// Transposes a 16 x 16 matrix of 32-bit elements in place: r[i] holds row i before, column i
+// after (unpack 32- and 64-bit halves within 128-bit lanes, then two 4 x 4 lane shuffles).
+inline void transpose16_epi32(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);  // lane L: a0 b0 a1 b1
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);  // lane L: a2 b2 a3 b3
+  }
+  __m512i u[16];  // u[i + k], lane L: element 4 L + k of rows i .. i + 3
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {  // lanes L of u[k], u[4 + k], u[8 + k], u[12 + k] -> r[4 L + k]
+    const __m512i x0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);  // A0 A2 B0 B2
+    const __m512i x1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xDD);  // A1 A3 B1 B3
+    const __m512i x2 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);  // C0 C2 D0 D2
+    const __m512i x3 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xDD);  // C1 C3 D1 D3
+    r[k] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    r[4 + k] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    r[12 + k] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+}
+
+// 16 consecutive 32-bit elements at p (a float, or a pair of bf16), as integer bits.
+inline __m512i load16_bits(const void* p) { return _mm512_loadu_si512(p); }
+
+// pack_tile's layouts with vector instructions, for head_dim % 32 == 0 (every head_dim the
+// vector micro-kernels take): K transposed 16 keys x 16 columns (floats or bf16 pairs) at a
+// time, bf16 V interleaved a key pair at a time, float V copied by rows. The scalar loops
+// cost ~0.5 us a key of SmolLM2's three kv heads (one bf16 element a store), most of a
+// 56-query chunk's attention call. Returns false where it does not apply.
+template <typename T, typename E>
+bool pack_tile_vector(const T* const* krow_of, const T* const* vrow_of, int64_t nk, int64_t d,
+                      E* kp, E* vp) {
+  constexpr bool kPairs = !std::is_same_v<E, float>;
+  if constexpr (kPairs != std::is_same_v<T, c10::BFloat16>) {
+    return false;  // bf16 pairs from a bf16 cache, floats from a float cache only
+  } else {
+    if (d % 32 != 0) return false;
+    // K: kp as 32-bit columns [cols][64 keys], cols = d (float) or d / 2 (bf16 pairs); a
+    // key's row holds its cols contiguously.
+    const int64_t cols = kPairs ? d / 2 : d;
+    uint32_t* k32 = reinterpret_cast<uint32_t*>(kp);
+    const __m512i zero = _mm512_setzero_si512();
+    for (int64_t kg = 0; kg < kKeyTile; kg += 16) {
+      for (int64_t cg = 0; cg < cols; cg += 16) {
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; ++i)
+          r[i] = kg + i < nk ? load16_bits(reinterpret_cast<const uint32_t*>(krow_of[kg + i]) + cg)
+                             : zero;
+        transpose16_epi32(r);
+        for (int64_t c = 0; c < 16; ++c) _mm512_storeu_si512(k32 + (cg + c) * kKeyTile + kg, r[c]);
+      }
+    }
+    if constexpr (kPairs) {
+      // V: [32 key pairs][d][2]: keys 2m and 2m + 1 interleaved dim by dim.
+      const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                          40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33,
+                                          1, 32, 0);
+      const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+      for (int64_t m = 0; m < kKeyTile / 2; ++m) {
+        E* dst = vp + m * 2 * d;
+        for (int64_t c = 0; c < d; c += 32) {
+          const __m512i a = 2 * m < nk ? _mm512_loadu_si512(vrow_of[2 * m] + c) : zero;
+          const __m512i bv = 2 * m + 1 < nk ? _mm512_loadu_si512(vrow_of[2 * m + 1] + c) : zero;
+          _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, bv));
+          _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, bv));
+        }
+      }
+    } else {
+      for (int64_t j = 0; j < kKeyTile; ++j) {
+        if (j < nk)
+          std::memcpy(vp + j * d, vrow_of[j], d * sizeof(E));
+        else
+          std::fill(vp + j * d, vp + (j + 1) * d, E(0.f));
+      }
+    }
+    return true;
+  }
+}
+#endif
+
 // Packs keys [start, start + nk) of one kv head: K transposed (float: [D, 64]; bf16: [D/2, 64, 2])
 // and V (float: [64, D]; bf16: [32, D, 2]), zero past nk. Reads only the blocks holding them.
 template <typename T, typename E, bool kKeysByRow = false>
@@ -475,6 +562,19 @@ void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t
   const int64_t d = b.head_dim, bs = b.block_size;
   const int64_t head_stride = bs * d, kv_stride = b.num_kv_heads * head_stride;
   constexpr bool kPairs = !std::is_same_v<E, float>;
+#if defined(__AVX512BW__)
+  if constexpr (!kKeysByRow) {
+    const T* krow_of[kKeyTile];
+    const T* vrow_of[kKeyTile];
+    for (int64_t j = 0; j < nk; ++j) {
+      const int64_t pos = start + j;
+      krow_of[j] = b.cache + table[pos / bs] * 2 * kv_stride + kv_head * head_stride +
+                   pos % bs * d;
+      vrow_of[j] = krow_of[j] + kv_stride;
+    }
+    if (pack_tile_vector<T, E>(krow_of, vrow_of, nk, d, kp, vp)) return;
+  }
+#endif
   if (!kKeysByRow || nk < kKeyTile) std::fill(kp, kp + kKeyTile * d, E(0.f));
   if (nk < kKeyTile) std::fill(vp, vp + kKeyTile * d, E(0.f));
   for (int64_t j = 0; j < nk;) {
@@ -508,16 +608,32 @@ void pack_tile(const Batch<T>& b, const int64_t* table, int64_t kv_head, int64_t
 // tile_index(s, h, t) * 2 * kKeyTile * D.
 template <typename E>
 struct PackedKV {
-  std::vector<E> data;
+  E* data = nullptr;  // the calling thread's pack buffer (pack_buffer), or owned's
+  std::vector<E> owned;  // the tiles of a call too large to keep a buffer for
   std::vector<int64_t> first_tile, num_tiles, base;  // base: index of (s, head 0, first tile)
   int64_t num_kv_heads = 0, head_dim = 0;
   int64_t tile_index(int64_t s, int64_t h, int64_t t) const {
     return base[s] + h * (num_tiles[s] - first_tile[s]) + t - first_tile[s];
   }
   const E* k(int64_t s, int64_t h, int64_t t) const {
-    return data.data() + tile_index(s, h, t) * 2 * kKeyTile * head_dim;
+    return data + tile_index(s, h, t) * 2 * kKeyTile * head_dim;
   }
 };
+
+// The calling thread's buffer for packed tiles, kept from call to call at its largest size up
+// to kKeptPackBytes (one 8k-token prompt of 3 kv heads of 64 dims: 6 MiB): a fresh allocation
+// each call (196 KiB for a 56-token chunk over 224 keys of SmolLM2) came from mmap, zeroed and
+// faulted in page by page, then unmapped, ~40 us of that call's ~80 (AMD Zen 4, bf16).
+// pack_tile writes every element of the tiles it packs, so reused contents never leak into a
+// result. Null where n is larger: the call then owns its tiles.
+constexpr int64_t kKeptPackBytes = 32 << 20;
+template <typename E>
+E* pack_buffer(int64_t n) {
+  if (n * static_cast<int64_t>(sizeof(E)) > kKeptPackBytes) return nullptr;
+  thread_local std::vector<E> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
 
 template <typename T, typename E, bool kKeysByRow = false>
 PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
@@ -531,7 +647,11 @@ PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
     kv.base.push_back(total);
     total += b.num_kv_heads * (kv.num_tiles[s] - kv.first_tile[s]);
   }
-  kv.data.resize(total * 2 * kKeyTile * b.head_dim);
+  kv.data = pack_buffer<E>(total * 2 * kKeyTile * b.head_dim);
+  if (kv.data == nullptr) {
+    kv.owned.resize(total * 2 * kKeyTile * b.head_dim);
+    kv.data = kv.owned.data();
+  }
   parallel_for(0, total, 16, [&](int64_t begin, int64_t end) {
     int64_t s = std::upper_bound(kv.base.begin(), kv.base.end(), begin) - kv.base.begin() - 1;
     for (int64_t i = begin; i < end; ++i) {
@@ -539,7 +659,7 @@ PackedKV<E> pack_visible(const Batch<T>& b, int64_t num_seqs) {
       const int64_t per_head = kv.num_tiles[s] - kv.first_tile[s];
       const int64_t h = (i - kv.base[s]) / per_head, t = kv.first_tile[s] + (i - kv.base[s]) % per_head;
       const int64_t start = t * kKeyTile, nk = std::min(kKeyTile, b.context_len[s] - start);
-      E* kp = kv.data.data() + i * 2 * kKeyTile * b.head_dim;
+      E* kp = kv.data + i * 2 * kKeyTile * b.head_dim;
       pack_tile<T, E, kKeysByRow>(b, b.tables + s * b.table_stride, h, start, nk, kp,
                                   kp + kKeyTile * b.head_dim);
     }
