@@ -190,6 +190,9 @@ class EngineArgs:
     max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
     scheduling_policy: str = SchedulerConfig.policy
     enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    max_prefill_tokens_while_decoding: int | None = (
+        SchedulerConfig.max_prefill_tokens_while_decoding
+    )
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     enable_lora: bool = LoRAConfig.enable_lora
@@ -265,6 +268,7 @@ class EngineArgs:
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 policy=self.scheduling_policy,  # type: ignore[arg-type]  # validated there
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                max_prefill_tokens_while_decoding=self.max_prefill_tokens_while_decoding,
                 remote_prefill_min_tokens=self.remote_prefill_min_tokens,
                 max_remote_prefill_queue_tokens=self.max_remote_prefill_queue_tokens,
             ),

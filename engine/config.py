@@ -141,6 +141,11 @@ class SchedulerConfig:
     """Admission and preemption order: arrival, or (priority, arrival) with lower = sooner."""
     enable_chunked_prefill: bool = True
     """Split prompts longer than the remaining budget over several steps."""
+    max_prefill_tokens_while_decoding: int | None = None
+    """Most prompt tokens (chunks and admissions together) a step computes beside decodes;
+    steps with no decode still take the whole budget (None: no cap). A small cap spreads each
+    prompt over the decode steps of the others: a decode step alone reads every weight for a
+    few rows, and the prompt's chunk rides on that read (and the decodes wait less for it)."""
     remote_prefill_min_tokens: int = 1
     """Decode role: requests offered a remote prefill take it only when at least this many
     prompt tokens are not in the local prefix cache; shorter ones prefill locally."""
@@ -157,6 +162,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        cap = self.max_prefill_tokens_while_decoding
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_prefill_tokens_while_decoding must be >= 1, got {cap}")
         if self.remote_prefill_min_tokens < 1:
             raise ValueError(
                 f"remote_prefill_min_tokens must be >= 1, got {self.remote_prefill_min_tokens}"

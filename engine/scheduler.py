@@ -48,6 +48,8 @@ class Scheduler:
         """Admitted requests whose reserved blocks a prefill node is filling."""
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
+        self._prefill_room = config.max_num_batched_tokens
+        """Prompt tokens this step may still schedule (schedule() sets it)."""
 
     # -- queues --------------------------------------------------------------------------------
 
@@ -91,10 +93,23 @@ class Scheduler:
         scheduled: dict[str, int] = {}
         preempted: list[str] = []
         remote: list[RemotePrefill] = []
+        cap = self.config.max_prefill_tokens_while_decoding
+        decoding = cap is not None and any(self._is_decode(r) for r in self.running)
+        self._prefill_room = cap if decoding else budget
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:
             self._schedule_waiting(budget, scheduled, remote)
         return self._build_output(scheduled, preempted, remote)
+
+    @staticmethod
+    def _is_decode(request: Request) -> bool:
+        """Whether the request's next step computes one known token (its last sampled one), not
+        a prompt chunk (or a preempted request's recompute)."""
+        return request.num_tokens - request.num_computed_tokens == 1
+
+    def _take_prefill(self, num_new: int) -> int:
+        """num_new prompt tokens cut to what the step's prefill room allows."""
+        return num_new if num_new <= 1 else min(num_new, self._prefill_room)
 
     def _schedule_running(
         self, budget: int, scheduled: dict[str, int], preempted: list[str]
@@ -105,18 +120,25 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = self._num_new_tokens(request, budget)
+            if not self._is_decode(request):
+                num_new = self._take_prefill(num_new)
             if num_new == 0:
                 continue
             while self.kv.allocate_slots(request, num_new) is None:
                 victim = self._pick_victim()  # never None: request itself is running
                 assert victim is not None
-                budget += scheduled.get(victim.request_id, 0)
+                freed = scheduled.get(victim.request_id, 0)
+                budget += freed
+                if freed > 1:  # a prompt chunk's tokens go back to the prefill room
+                    self._prefill_room += freed
                 self._preempt(victim, scheduled, preempted)
                 if victim is request:
                     break
             else:
                 scheduled[request.request_id] = num_new
                 budget -= num_new
+                if not self._is_decode(request):
+                    self._prefill_room -= num_new
         return self._schedule_drafts(budget, scheduled)
 
     def _schedule_drafts(self, budget: int, scheduled: dict[str, int]) -> int:
@@ -148,7 +170,7 @@ class Scheduler:
         adapters = self._admitted_adapters()
         while self.waiting and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
-            if budget <= 0 and not request.wants_remote_prefill:
+            if min(budget, self._prefill_room) <= 0 and not request.wants_remote_prefill:
                 break  # local work needs budget (checked before the prefix-cache lookup counts)
             name = request.lora_name
             if name is not None and name not in adapters:
@@ -166,9 +188,10 @@ class Scheduler:
                 if not self._reserve_for_remote(request, num_new, prefix, remote):
                     break
                 continue
-            if budget <= 0 or (num_new > budget and not self.config.enable_chunked_prefill):
+            room = min(budget, self._prefill_room)
+            if room <= 0 or (num_new > room and not self.config.enable_chunked_prefill):
                 break
-            num_new = min(num_new, budget)
+            num_new = min(num_new, room)
             if self.kv.allocate_slots(request, num_new, prefix) is None:
                 break
             self.waiting.pop(0)
@@ -179,6 +202,7 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            self._prefill_room -= num_new
 
     def _admitted_adapters(self) -> set[str]:
         """The LoRA adapters of the running batch and of requests awaiting remote KV."""

@@ -48,6 +48,7 @@ ENGINE_FLAGS = [
     "--scheduling-policy",
     "--enable-chunked-prefill",
     "--no-enable-chunked-prefill",
+    "--max-prefill-tokens-while-decoding",  # ours
     "--tensor-parallel-size",
     "--pipeline-parallel-size",
     "--enable-lora",

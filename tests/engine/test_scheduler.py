@@ -1,5 +1,7 @@
 """Scheduler unit tests: exact budgets, block ids, preemption and resume (no model)."""
 
+import pytest
+
 from pdserve.engine.config import SchedulerConfig
 from pdserve.engine.kv_cache.manager import KVCacheManager
 from pdserve.engine.outputs import SampledTokens
@@ -7,9 +9,14 @@ from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def make(num_blocks=20, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True):
+def make(num_blocks=20, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True, cap=None):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    cfg = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        policy=policy,
+        max_prefill_tokens_while_decoding=cap,
+    )
     return Scheduler(cfg, kv, max_model_len=1000)
 
 
@@ -186,3 +193,42 @@ def test_speculative_tokens_scheduled_and_rolled_back():
     assert ups[0].new_token_ids == [8, 11]
     assert r.output_token_ids == [7, 8, 11] and r.num_computed_tokens == 6
     assert r.spec_token_ids == []
+
+
+def test_prefill_cap_while_decoding_spreads_prompts_over_decode_steps():
+    s = make(num_blocks=40, budget=16, cap=5, caching=False)
+    s.add_request(req("a", 3, max_tokens=10))
+    out, _ = run(s)
+    assert sizes(out) == {"a": 3}  # nothing decodes yet: the prompt may take the whole budget
+    s.add_request(req("b", 12, max_tokens=10))
+    s.add_request(req("c", 4, max_tokens=10))
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 5}  # a decodes: prompts share 5 tokens
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 5}  # b's running chunk is capped too; c waits
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 2, "c": 3}  # b's last 2, then c within the same 5
+    assert [c.samples for c in out.chunks] == [True, True, False]
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_prefill_cap_off_and_without_decodes_keeps_the_budget():
+    for cap in (None, 4):
+        s = make(num_blocks=40, budget=16, cap=cap, caching=False)
+        s.add_request(req("x", 10))
+        s.add_request(req("y", 10))
+        out, _ = run(s)
+        assert sizes(out) == {"x": 10, "y": 6}
+    # no cap: decodes leave the rest of the budget to prompts
+    s = make(num_blocks=40, budget=16, caching=False)
+    s.add_request(req("a", 2, max_tokens=10))
+    run(s)
+    s.add_request(req("b", 20))
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 15}
+
+
+def test_prefill_cap_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1"):
+        SchedulerConfig(max_prefill_tokens_while_decoding=0)

@@ -147,6 +147,33 @@ def test_token_budget_per_role() -> None:
     assert _node_budget(["--max-num-batched-tokens", "4096"], role="prefill") == 4096
 
 
+def _node_prefill_cap(serve_flags: list[str], role: str = "decode") -> int | None:
+    """The prefill cap beside decodes the node of `role` gets from `pdserve serve`."""
+    args = build_parser().parse_args(["serve", "--model", "m", *serve_flags])
+    argv = serve.node_argv(args, role, 7001, None)
+    return EngineArgs.from_cli_args(
+        build_parser().parse_args(argv)
+    ).max_prefill_tokens_while_decoding
+
+
+def test_prefill_cap_while_decoding_per_role() -> None:
+    cap = serve.AGGREGATED_MAX_PREFILL_TOKENS_WHILE_DECODING
+    assert cap < serve.AGGREGATED_MAX_NUM_BATCHED_TOKENS
+    # a decode node that prefills every prompt itself spreads prompts over the decode steps
+    assert _node_prefill_cap(["--num-prefill", "0"]) == cap
+    assert (
+        _node_prefill_cap(["--num-prefill", "0", "--max-prefill-tokens-while-decoding", "512"])
+        == 512
+    )
+    flag = "--decode-node-arg=--max-prefill-tokens-while-decoding=32"
+    assert _node_prefill_cap(["--num-prefill", "0", flag]) == 32
+    # without chunked prefill, on nodes fed by prefill nodes and on prefill nodes: no cap
+    assert _node_prefill_cap(["--num-prefill", "0", "--no-enable-chunked-prefill"]) is None
+    assert _node_prefill_cap([]) is None
+    assert _node_prefill_cap([], role="prefill") is None
+    assert _node_prefill_cap(["--max-prefill-tokens-while-decoding", "64"]) == 64
+
+
 class _Process:
     pid = 0
 
