@@ -3,13 +3,14 @@ prefill_attention.cpp) vs the engine's torch path (engine/attention.py `_prefill
 torch SDPA per request, the cached prefix gathered first), on SmolLM2-135M's attention shapes
 (9 query heads, 3 KV heads, head_dim 64, 16-token blocks in shuffled order).
 
-Cases: a whole prompt of T tokens (T = 256, 1k, 4k, 8k), and the last 512-token chunk of a
-T-token prompt computed in chunks (a chunk over a cached prefix of T - 512). The two paths
-alternate call by call (kernel, torch, torch, kernel, ...), so a drift in the shared machine's
-speed hits both alike; each reports its median, the ratio is torch / kernel.
+Cases: a whole prompt of T tokens (T = 256, 1k, 4k, 8k), and the last C-token chunk of a
+T-token prompt computed in chunks (over a cached prefix of T - C; C = 512, or --chunks). The
+two paths alternate call by call (kernel, torch, torch, kernel, ...), so a drift in the shared
+machine's speed hits both alike; each reports its median, the ratio is torch / kernel.
 
     .venv/bin/python benchmarks/prefill_attention_cpu.py          # both dtypes, ~3 min here
     .venv/bin/python benchmarks/prefill_attention_cpu.py --dtypes bfloat16 --lengths 256 1024
+    .venv/bin/python benchmarks/prefill_attention_cpu.py --lengths 224 512 --chunks 56 --repeats 50
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ CHUNK = 512
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 4096, 8192])
+    p.add_argument(
+        "--chunks",
+        type=int,
+        nargs="+",
+        default=[CHUNK],
+        help="chunk lengths: the last chunk of each length over a cached prefix, for every "
+        "T longer than it (default: 512; a step beside decodes takes small ones, e.g. 56)",
+    )
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     p.add_argument("--repeats", type=int, default=6, help="timed calls per path and case")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
@@ -108,7 +117,7 @@ def main() -> None:
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         for t in args.lengths:
-            cases = [("prompt", t, t)] + ([("chunk", t, CHUNK)] if t > CHUNK else [])
+            cases = [("prompt", t, t)] + [("chunk", t, c) for c in args.chunks if t > c]
             for kind, ctx, qlen in cases:
                 row = {"dtype": dtype_name, "case": kind, "context_len": ctx, "query_len": qlen}
                 row |= measure(ops, make_case(ctx, qlen, dtype), args.repeats)
