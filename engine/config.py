@@ -143,7 +143,8 @@ class SchedulerConfig:
     """Split prompts longer than the remaining budget over several steps."""
     max_prefill_tokens_while_decoding: int | None = None
     """Most prompt tokens (chunks and admissions together) a step computes beside decodes;
-    steps with no decode still take the whole budget (None: no cap). A small cap spreads each
+    steps with no decode still take the whole budget (None: no cap; no cap either without
+    chunked prefill, where a prompt must fit one step). A small cap spreads each
     prompt over the decode steps of the others: a decode step alone reads every weight for a
     few rows, and the prompt's chunk rides on that read (and the decodes wait less for it)."""
     remote_prefill_min_tokens: int = 1

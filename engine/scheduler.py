@@ -94,7 +94,9 @@ class Scheduler:
         preempted: list[str] = []
         remote: list[RemotePrefill] = []
         cap = self.config.max_prefill_tokens_while_decoding
-        decoding = cap is not None and any(self._is_decode(r) for r in self.running)
+        # Without chunked prefill a prompt must fit one step: a cap could hold it back forever.
+        chunked = self.config.enable_chunked_prefill
+        decoding = cap is not None and chunked and any(self._is_decode(r) for r in self.running)
         self._prefill_room = cap if decoding else budget
         budget = self._schedule_running(budget, scheduled, preempted)
         if not preempted:

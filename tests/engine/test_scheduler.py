@@ -229,6 +229,19 @@ def test_prefill_cap_off_and_without_decodes_keeps_the_budget():
     assert sizes(out) == {"a": 1, "b": 15}
 
 
+def test_prefill_cap_never_holds_back_a_prompt_that_cannot_be_chunked():
+    kv = KVCacheManager(40, 4, False)
+    cfg = SchedulerConfig(
+        max_num_batched_tokens=16, enable_chunked_prefill=False, max_prefill_tokens_while_decoding=4
+    )
+    s = Scheduler(cfg, kv, max_model_len=1000)
+    s.add_request(req("a", 2, max_tokens=10))
+    run(s)
+    s.add_request(req("b", 10))
+    out, _ = run(s)
+    assert sizes(out) == {"a": 1, "b": 10}
+
+
 def test_prefill_cap_must_be_positive():
     with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1"):
         SchedulerConfig(max_prefill_tokens_while_decoding=0)
