@@ -67,7 +67,9 @@ COMBOS = list(itertools.product([True, False], [64, 2048], [16, 32], [False, Tru
     COMBOS,
     ids=[f"cache={c}-budget={b}-bs={s}-smallkv={k}" for c, b, s, k in COMBOS],
 )
-def test_greedy_matches_transformers(reference, prefix_caching, budget, block_size, small_kv):
+def test_greedy_matches_transformers(
+    reference, prefix_caching, budget, block_size, small_kv, prefill_cap=None
+):
     model_dir, prompts, max_tokens, references = reference
     # With the small cache every request runs to max_tokens (min_tokens, eos suppressed on both
     # sides), so the cache is sure to overflow and preempt; otherwise eos ends requests.
@@ -81,6 +83,7 @@ def test_greedy_matches_transformers(reference, prefix_caching, budget, block_si
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_batched_tokens=budget,
+        max_prefill_tokens_while_decoding=prefill_cap,
         enable_prefix_caching=prefix_caching,
         max_num_seqs=16,
     )
@@ -106,6 +109,12 @@ def test_greedy_matches_transformers(reference, prefix_caching, budget, block_si
         assert all(o.num_cached_tokens > 0 for o in again)
     # nothing leaks: every block is free again (cached blocks count as free)
     assert llm.engine.kv.num_free_blocks == num_blocks - 1
+
+
+@pytest.mark.parametrize("small_kv", [False, True], ids=["kv", "smallkv"])
+def test_greedy_matches_transformers_with_prompts_capped_beside_decodes(reference, small_kv):
+    """Prompts spread over the decode steps in 24-token chunks (after the first step's 64)."""
+    test_greedy_matches_transformers(reference, True, 64, 16, small_kv, prefill_cap=24)
 
 
 def _first_diff(a, b):
