@@ -71,8 +71,8 @@ AGGREGATED_MAX_PREFILL_TOKENS_WHILE_DECODING = 96
 """The prompt tokens a step of such a decode node computes beside decodes, when
 --max-prefill-tokens-while-decoding is not given: a prompt then rides on the others' decode
 steps in chunks of 96 instead of stalling them for a 512-token step. Issue 17's workload
-(SmolLM2 bf16, 256 in / 64 out, 8 in flight, 2 cores): TTFT p50 572 -> 339 ms, p99 ITL
-339 -> 109 ms by our client, output throughput within the run-to-run spread (README,
+(SmolLM2 bf16, 256 in / 64 out, 8 in flight, 2 cores): TTFT p50 ~590 -> ~345 ms, p99 ITL
+~340 -> ~95 ms, output throughput within the run-to-run spread (README,
 "Zen 4, session 43"). --max-prefill-tokens-while-decoding 512 (the budget) turns it off."""
 
 

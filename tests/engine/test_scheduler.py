@@ -9,12 +9,22 @@ from pdserve.engine.request import Request, RequestStatus, SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 
-def make(num_blocks=20, block_size=4, budget=16, max_seqs=8, policy="fcfs", caching=True, cap=None):
+def make(
+    num_blocks=20,
+    block_size=4,
+    budget=16,
+    max_seqs=8,
+    policy="fcfs",
+    caching=True,
+    cap=None,
+    chunked=True,
+):
     kv = KVCacheManager(num_blocks, block_size, caching)
     cfg = SchedulerConfig(
         max_num_seqs=max_seqs,
         max_num_batched_tokens=budget,
         policy=policy,
+        enable_chunked_prefill=chunked,
         max_prefill_tokens_while_decoding=cap,
     )
     return Scheduler(cfg, kv, max_model_len=1000)
@@ -222,24 +232,21 @@ def test_prefill_cap_off_and_without_decodes_keeps_the_budget():
         assert sizes(out) == {"x": 10, "y": 6}
     # no cap: decodes leave the rest of the budget to prompts
     s = make(num_blocks=40, budget=16, caching=False)
+    assert prompt_beside_a_decode(s, 20) == {"a": 1, "b": 15}
+
+
+def prompt_beside_a_decode(s, prompt_len):
+    """The step's sizes once request "a" decodes and a prompt "b" of prompt_len arrives."""
     s.add_request(req("a", 2, max_tokens=10))
     run(s)
-    s.add_request(req("b", 20))
+    s.add_request(req("b", prompt_len))
     out, _ = run(s)
-    assert sizes(out) == {"a": 1, "b": 15}
+    return sizes(out)
 
 
 def test_prefill_cap_never_holds_back_a_prompt_that_cannot_be_chunked():
-    kv = KVCacheManager(40, 4, False)
-    cfg = SchedulerConfig(
-        max_num_batched_tokens=16, enable_chunked_prefill=False, max_prefill_tokens_while_decoding=4
-    )
-    s = Scheduler(cfg, kv, max_model_len=1000)
-    s.add_request(req("a", 2, max_tokens=10))
-    run(s)
-    s.add_request(req("b", 10))
-    out, _ = run(s)
-    assert sizes(out) == {"a": 1, "b": 10}
+    s = make(num_blocks=40, budget=16, caching=False, cap=4, chunked=False)
+    assert prompt_beside_a_decode(s, 10) == {"a": 1, "b": 10}
 
 
 def test_prefill_cap_must_be_positive():
