@@ -58,9 +58,13 @@ _SOURCES = [
         "sampling_ops.cpp",
         "linear.cpp",
         "thread_pool.cpp",
+        "decoder_layers.cpp",
     )
 ]
-_HEADERS = [os.path.join(_HERE, name) for name in ("vec.h", "thread_pool.h")]
+_HEADERS = [
+    os.path.join(_HERE, name)
+    for name in ("vec.h", "thread_pool.h", "kernels.h", "decoder_layers.h")
+]
 
 
 def _cache_root() -> str:

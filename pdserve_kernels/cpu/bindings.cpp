@@ -5,32 +5,8 @@
 
 #include "thread_pool.h"
 
-// paged_attention.cpp
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor cache, at::Tensor tables,
-                                     at::Tensor seq_lens, double scale, int64_t window);
-void paged_decode_attention_out(at::Tensor q, at::Tensor cache, at::Tensor tables,
-                                at::Tensor seq_lens, double scale, at::Tensor out,
-                                int64_t window);
-void store_kv(at::Tensor k, at::Tensor v, at::Tensor cache, at::Tensor slots);
-// fused_ops.cpp
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
-void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
-at::Tensor silu_and_mul(at::Tensor x);
-bool fused_ops_vectorized();
-// sampling_ops.cpp
-at::Tensor argmax_rows(at::Tensor x);
-// prefill_attention.cpp
-void paged_prefill_attention_out(at::Tensor q, at::Tensor cache, at::Tensor query_start,
-                                 at::Tensor query_len, at::Tensor context_len,
-                                 at::Tensor block_tables, double scale, at::Tensor out,
-                                 int64_t window);
-// linear.cpp
-bool linear_small_m_available();
-bool linear_small_m_all_rows();
-at::Tensor pack_linear_weight(at::Tensor w);
-at::Tensor linear_small_m(at::Tensor x, at::Tensor packed, int64_t n,
-                             c10::optional<at::Tensor> bias);
+#include "decoder_layers.h"
+#include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own operators do: a serving node's asyncio
@@ -73,6 +49,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_pool_enabled", &pdserve_cpu::pool_enabled,
         "whether the kernels' loops run on their own worker pool (else OpenMP)");
   m.def("kernel_pool_jobs", &pdserve_cpu::pool_jobs, "loops the kernels' pool has run in this process");
+  py::class_<pdserve_cpu::LlamaLayers>(
+      m, "LlamaLayers",
+      "a Llama-family decoder's layers over these kernels, one call per forward "
+      "(decoder_layers.cpp)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<int64_t>, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("input_norms"), py::arg("post_norms"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias"), py::arg("o_bias"),
+           py::arg("gate_up_bias"), py::arg("down_bias"), py::arg("windows"),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
+           py::arg("hidden_size"), py::arg("intermediate_size"), py::arg("eps"),
+           py::arg("scale"))
+      .def("forward", &pdserve_cpu::LlamaLayers::forward,
+           "every layer over one step's rows: (last mlp output, residual)", py::arg("x"),
+           py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("kv_caches"),
+           py::arg("slot_mapping"), py::arg("num_decode"), py::arg("decode_tables"),
+           py::arg("decode_lens"), py::arg("query_start"), py::arg("query_len"),
+           py::arg("context_len"), py::arg("block_tables"), no_gil)
+      .def_property_readonly("num_layers", &pdserve_cpu::LlamaLayers::num_layers);
   m.def("linear_small_m_available", &linear_small_m_available,
         "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
 }

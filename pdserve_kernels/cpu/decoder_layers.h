@@ -1,0 +1,50 @@
+// A Llama-family decoder's layers run in one call per forward (decoder_layers.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace pdserve_cpu {
+
+// The weights of every layer as the compiled kernels take them, and the shapes they share.
+// Built once after the weights are packed (engine/models/llama.py, LlamaForCausalLM); holds
+// references to the model's tensors, no copies.
+class LlamaLayers {
+ public:
+  // One entry per layer in each list: the two RMSNorm weights, the four projections in
+  // linear_small_m's packed layout, their biases (None: no bias) and the layer's sliding
+  // window (0: the whole context).
+  LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms,
+              std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
+              std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
+              std::vector<c10::optional<at::Tensor>> qkv_bias,
+              std::vector<c10::optional<at::Tensor>> o_bias,
+              std::vector<c10::optional<at::Tensor>> gate_up_bias,
+              std::vector<c10::optional<at::Tensor>> down_bias, std::vector<int64_t> windows,
+              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
+              int64_t intermediate_size, double eps, double scale);
+
+  // Every layer over one step's rows (see decoder_layers.cpp). x: the first layer's normed
+  // input [T, hidden]; residual: the embedding rows. Returns (last mlp output, residual).
+  std::tuple<at::Tensor, at::Tensor> forward(
+      at::Tensor x, at::Tensor residual, at::Tensor cos, at::Tensor sin,
+      const std::vector<at::Tensor>& kv_caches, at::Tensor slot_mapping, int64_t num_decode,
+      c10::optional<at::Tensor> decode_tables, c10::optional<at::Tensor> decode_lens,
+      c10::optional<at::Tensor> query_start, c10::optional<at::Tensor> query_len,
+      c10::optional<at::Tensor> context_len, c10::optional<at::Tensor> block_tables) const;
+
+  int64_t num_layers() const { return static_cast<int64_t>(input_norms_.size()); }
+
+ private:
+  std::vector<at::Tensor> input_norms_, post_norms_, qkv_, o_, gate_up_, down_;
+  std::vector<c10::optional<at::Tensor>> qkv_bias_, o_bias_, gate_up_bias_, down_bias_;
+  std::vector<int64_t> windows_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
+  double eps_, scale_;
+};
+
+}  // namespace pdserve_cpu
