@@ -198,6 +198,8 @@ class Child:
     argv: list[str] = field(default_factory=list)
     """How it was started (a rolling update starts it again the same way)."""
     core: int | None = None
+    kernel_pool: bool = False
+    """Whether its kernels' pool may spin inside its steps (child_env; kept for a restart)."""
 
 
 _START_ATTEMPTS = 3
@@ -223,12 +225,16 @@ def _pin(core: int):
 
 
 def node_argv(
-    args: argparse.Namespace, role: str, port: int, metrics_port: int | None
+    args: argparse.Namespace,
+    role: str,
+    port: int,
+    metrics_port: int | None,
+    turns_lock: str | None = None,
 ) -> list[str]:
     """The `pdserve` argv of one node: serve's engine and node flags, then --node-arg, its port,
-    then --prefill-node-arg or --decode-node-arg (the last of a repeated flag wins)."""
+    then --prefill-node-arg or --decode-node-arg (the last of a repeated flag wins).
+    turns_lock: the lock file the stack's nodes take turns on (run()), None without turns."""
     decode = role == "decode"
-    turns_lock = getattr(args, "shared_cores_lock", None)
     argv = ["--log-level", args.log_level, role]
     argv += EngineArgs.from_cli_args(args).to_argv(decode=decode)
     local_prefill = decode and args.num_prefill == 0 and args.enable_chunked_prefill
@@ -319,21 +325,24 @@ def _spawn(
     return subprocess.Popen(cmd, preexec_fn=setup, env=child_env(kernel_pool))
 
 
-def start_stack(args: argparse.Namespace) -> list[Child]:
+def start_stack(args: argparse.Namespace, turns_lock: str | None = None) -> list[Child]:
+    """Every node, then the gateway; turns_lock as node_argv's."""
     children: list[Child] = []
     cores = os.cpu_count() or 1
     for role, count in (("prefill", args.num_prefill), ("decode", args.num_decode)):
         for i in range(count):
             port = free_port()
             metrics_port = free_port() if args.node_metrics else None
-            argv = node_argv(args, role, port, metrics_port)
+            argv = node_argv(args, role, port, metrics_port, turns_lock)
             core = len(children) % cores if args.pin_cpus else None
             # A node's kernel pool spins inside its steps only: with turns, a step has every core.
-            pool = threads_fit_cores(args) or getattr(args, "shared_cores_lock", None) is not None
+            pool = threads_fit_cores(args) or turns_lock is not None
             process = _spawn(f"{role}-{i}", argv, core, pool)
             metrics_address = f"127.0.0.1:{metrics_port}" if metrics_port else ""
             children.append(
-                Child(f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address, argv, core)
+                Child(
+                    f"{role}-{i}", process, f"127.0.0.1:{port}", metrics_address, argv, core, pool
+                )
             )
     prefill = [c.address for c in children if c.name.startswith("prefill")]
     decode = [c.address for c in children if c.name.startswith("decode")]
@@ -439,7 +448,7 @@ def roll_nodes(
             logger.warning("%s did not drain in time; killing it", child.name)
             child.process.kill()
             child.process.wait(5.0)
-        child.process = _spawn(child.name, child.argv, child.core, threads_fit_cores(args))
+        child.process = _spawn(child.name, child.argv, child.core, child.kernel_pool)
         deadline = time.monotonic() + args.startup_timeout_s
         while not _node_serving(child.address, tls):
             if child.process.poll() is not None or time.monotonic() > deadline:
@@ -506,21 +515,24 @@ def run(args: argparse.Namespace) -> int:
     _prepare_cpu_kernels()
     turns = takes_core_turns(args)
     turns_dir = tempfile.TemporaryDirectory(prefix="pdserve-cores-") if turns else None
+    turns_lock = None
     if turns_dir is not None:
-        args.shared_cores_lock = os.path.join(turns_dir.name, "turn.lock")
+        turns_lock = os.path.join(turns_dir.name, "turn.lock")
         logger.info(
             "%d nodes share %d cores: they take turns, a step at a time (--no-core-turns: off)",
             args.num_prefill + args.num_decode,
             len(os.sched_getaffinity(0)),
         )
     try:
-        return _run_stack(args, base, host, tls)
+        return _run_stack(args, base, host, tls, turns_lock)
     finally:
         if turns_dir is not None:
             turns_dir.cleanup()
 
 
-def _run_stack(args: argparse.Namespace, base: str, host: str, tls: TLSFiles | None) -> int:
+def _run_stack(
+    args: argparse.Namespace, base: str, host: str, tls: TLSFiles | None, turns_lock: str | None
+) -> int:
     stopping = False
     roll_requested = False
 
@@ -536,7 +548,7 @@ def _run_stack(args: argparse.Namespace, base: str, host: str, tls: TLSFiles | N
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGHUP, on_hangup)
     for attempt in range(1, _START_ATTEMPTS + 1):
-        children = start_stack(args)
+        children = start_stack(args, turns_lock)
         try:
             wait_healthy(f"{base}/health", children, args.startup_timeout_s, tls)
             break

@@ -175,7 +175,18 @@ def test_prefill_cap_while_decoding_per_role() -> None:
 
 
 class _Process:
+    """What start_stack and roll_nodes use of a child process (none is started)."""
+
     pid = 0
+
+    def send_signal(self, signum: int) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+    def poll(self) -> int | None:
+        return None
 
 
 def test_start_stack_wires_the_addresses(
@@ -235,18 +246,17 @@ def test_turn_taking_nodes_get_the_lock_and_prefill_nodes_small_chunks(
 ) -> None:
     parse = build_parser().parse_args
     args = parse(["serve", "--model", "m"])
-    args.shared_cores_lock = "/tmp/pdserve-cores-x/turn.lock"  # what run() sets
+    lock = "/tmp/pdserve-cores-x/turn.lock"  # what run() makes
     for role, config in (("prefill", PrefillNodeConfig), ("decode", DecodeNodeConfig)):
-        node = config.from_cli_args(parse(serve.node_argv(args, role, 7001, None)))
-        assert node.shared_cores_lock == args.shared_cores_lock
+        node = config.from_cli_args(parse(serve.node_argv(args, role, 7001, None, lock)))
+        assert node.shared_cores_lock == lock
     aggregated = serve.AGGREGATED_MAX_NUM_BATCHED_TOKENS
-    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "prefill", 7001, None)))
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "prefill", 7001, None, lock)))
     assert budget.max_num_batched_tokens == aggregated
-    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "decode", 7001, None)))
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(args, "decode", 7001, None, lock)))
     assert budget.max_num_batched_tokens == 2048  # fed by the prefill node, as before
     given = parse(["serve", "--model", "m", "--max-num-batched-tokens", "1024"])
-    given.shared_cores_lock = args.shared_cores_lock
-    budget = EngineArgs.from_cli_args(parse(serve.node_argv(given, "prefill", 7001, None)))
+    budget = EngineArgs.from_cli_args(parse(serve.node_argv(given, "prefill", 7001, None, lock)))
     assert budget.max_num_batched_tokens == 1024
     # without turns: no lock flag at all
     plain = parse(serve.node_argv(parse(["serve", "--model", "m"]), "decode", 7001, None))
@@ -262,5 +272,11 @@ def test_turn_taking_nodes_get_the_lock_and_prefill_nodes_small_chunks(
     monkeypatch.setattr(serve, "free_port", lambda host="127.0.0.1": next(ports))
     monkeypatch.setattr(serve, "_spawn", spawn)
     monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: {0, 1})
-    serve.start_stack(args)
+    children = serve.start_stack(args, lock)
     assert pooled == {"prefill-0": True, "decode-0": True, "gateway": False}
+    # a rolling update starts each node again as it started: with its pool
+    monkeypatch.setattr(serve, "_node_serving", lambda address, tls: True)
+    pooled.clear()
+    monkeypatch.setattr(serve, "_ROLL_SETTLE_S", 0.0)
+    assert serve.roll_nodes(children, args, None)
+    assert pooled == {"prefill-0": True, "decode-0": True}

@@ -36,7 +36,7 @@ def _child(name: str, code: int | None) -> serve.Child:
 def test_a_startup_death_restarts_the_stack(monkeypatch):
     started: list[list[serve.Child]] = []
 
-    def start_stack(args):
+    def start_stack(args, turns_lock=None):
         # first attempt: a node dies at once; second attempt: everything stays up
         code = 1 if not started else None
         children = [_child("prefill-0", code), _child("gateway", None)]
@@ -63,7 +63,7 @@ def test_a_startup_death_restarts_the_stack(monkeypatch):
 def test_gives_up_after_the_last_attempt(monkeypatch):
     started = []
 
-    def start_stack(args):
+    def start_stack(args, turns_lock=None):
         started.append([_child("decode-0", 1)])
         return started[-1]
 
