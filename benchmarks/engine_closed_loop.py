@@ -13,6 +13,10 @@ Each variant is a fresh process with its environment, alternating, --rounds time
         --variant passive=OMP_WAIT_POLICY=PASSIVE,PDSERVE_KERNEL_POOL=0
 
 (passive_pool is what `pdserve serve` gives one aggregated node whose threads fit the cores.)
+The compiled layer loop against the Python layers, as an aggregated served node runs:
+
+    .venv/bin/python benchmarks/engine_closed_loop.py --model M --max-prefill-tokens-while-decoding 96 \\
+        --idle 20 --rounds 3 --variant loop= --variant python_layers=PDSERVE_COMPILED_LAYERS=0
 Writes --out (JSON: every round's wall time, output tokens/s and step split per variant).
 """
 
@@ -49,6 +53,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--max-concurrency", type=int, default=8)
+    p.add_argument(
+        "--max-prefill-tokens-while-decoding",
+        type=int,
+        default=None,
+        help="the engine flag (serve gives an aggregated node 96; default: none)",
+    )
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="seconds each round waits after the engine starts, as a served node idles before "
+        "its load: the KV cache's pages are faulted in meanwhile (default 0)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds of every variant")
     p.add_argument(
@@ -75,8 +92,10 @@ def child(args: argparse.Namespace) -> dict:
         model=args.model,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_prefill_tokens_while_decoding=args.max_prefill_tokens_while_decoding,
         seed=0,
     )
+    time.sleep(args.idle)
     engine = llm.engine
     rng = random.Random(1)
     n_warm = args.max_concurrency

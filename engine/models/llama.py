@@ -15,6 +15,7 @@ goes through the step's ``AttentionMetadata``'s backend (``engine.attention``).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -572,9 +573,10 @@ class LlamaForCausalLM(CausalLM):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    use_compiled_layers = True
+    use_compiled_layers = os.environ.get("PDSERVE_COMPILED_LAYERS", "1") != "0"
     """Whether forward may run its layers through the compiled layer loop (_compiled_layers);
-    False: always the Python layers (tests compare the two)."""
+    False (or PDSERVE_COMPILED_LAYERS=0 at import, for A/B benchmarks): always the Python
+    layers (tests compare the two)."""
 
     _compiled_max_rows: int | None = None
     """Most rows a forward may have to take the loop (None: any): where a projection has a
