@@ -588,11 +588,11 @@ class LlamaForCausalLM(CausalLM):
         """The compiled loop over every layer (pdserve_kernels/cpu/decoder_layers.cpp: the same
         kernels in the same order as the layers' forward, bit-identical, without ~25 Python
         calls a layer: SmolLM2 bf16 decode steps 1.8-2.1 ms shorter on 2 Zen 4 cores, 12.3 ->
-        10.5 ms at 1 row, 20.1 -> 18.0 at 8), or None
-        where the Python layers must run: a model whose layers are not all plain Llama ones on
-        the compiled CPU kernels (q/k norms, LoRA, tensor parallelism, a projection without the
-        few-row kernel's layout), a step past the kernel's rows, another attention backend, or
-        a cache in another dtype (float8). Built at the first forward, after LoRA and tensor
+        10.5 ms at 1 row, 20.1 -> 18.0 at 8), or None where the Python layers must run: a
+        model whose layers are not all Llama-family ones (Qwen3's q/k norms included) on the
+        compiled CPU kernels (LoRA, tensor parallelism, a projection without the few-row
+        kernel's layout), a step past the kernel's rows, another attention backend, or a cache
+        in another dtype (float8). Built at the first forward, after LoRA and tensor
         parallelism attach to the projections (engine construction); pack_weights and
         use_cpu_fused_ops drop it."""
         if self._compiled is None:
@@ -616,7 +616,8 @@ class LlamaForCausalLM(CausalLM):
             and type(layer.mlp) is MLP
             and type(layer.input_layernorm) is RMSNorm
             and type(layer.post_attention_layernorm) is RMSNorm
-            and layer.self_attn.q_norm is None
+            and type(layer.self_attn.q_norm) is type(layer.self_attn.k_norm)
+            and type(layer.self_attn.q_norm) in (RMSNorm, type(None))
             for layer in layers
         )
         linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
@@ -641,6 +642,8 @@ class LlamaForCausalLM(CausalLM):
             [_detached(a.o_proj.bias) for a in attn],
             [_detached(m.gate_up_proj.bias) for m in mlp],
             [_detached(m.down_proj.bias) for m in mlp],
+            [None if a.q_norm is None else a.q_norm.weight.detach() for a in attn],
+            [None if a.k_norm is None else a.k_norm.weight.detach() for a in attn],
             [a.window or 0 for a in attn],
             arch.num_heads,
             arch.num_kv_heads,

@@ -8,7 +8,7 @@
 // 20.1 -> 18.0). Here a layer is
 //
 //   x, residual = add_rms_norm(x, residual)           (the first layer's norm: the caller's)
-//   q, k, v     = views of linear(x, qkv)              rotary(q, k) in place
+//   q, k, v     = views of linear(x, qkv)              (q/k norms: new q, k) rotary in place
 //   store_kv(k, v)                                     decode rows: paged decode attention
 //   prefill rows (one call for every prompt chunk): paged prefill attention
 //   x, residual = add_rms_norm(linear(attn, o), residual)
@@ -18,13 +18,31 @@
 // nothing: their attention output is zero, as paged_attention leaves it.
 #include "decoder_layers.h"
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/rsqrt.h>
 
 #include "kernels.h"
 
 #include <utility>
 
 namespace pdserve_cpu {
+
+namespace {
+
+// RMSNorm over the last dim by the torch ops engine/models/llama.py's RMSNorm.forward runs (the
+// per-head q/k norms of Qwen3), so the result is the same to the bit: float32 statistics,
+// scaled in x's dtype.
+at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  xf = at::mul(xf, at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps)));
+  return at::mul(weight, xf.to(x.scalar_type()));
+}
+
+}  // namespace
 
 LlamaLayers::LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms,
                          std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
@@ -33,6 +51,8 @@ LlamaLayers::LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Te
                          std::vector<c10::optional<at::Tensor>> o_bias,
                          std::vector<c10::optional<at::Tensor>> gate_up_bias,
                          std::vector<c10::optional<at::Tensor>> down_bias,
+                         std::vector<c10::optional<at::Tensor>> q_norms,
+                         std::vector<c10::optional<at::Tensor>> k_norms,
                          std::vector<int64_t> windows, int64_t num_heads, int64_t num_kv_heads,
                          int64_t head_dim, int64_t hidden_size, int64_t intermediate_size,
                          double eps, double scale)
@@ -46,6 +66,8 @@ LlamaLayers::LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Te
       o_bias_(std::move(o_bias)),
       gate_up_bias_(std::move(gate_up_bias)),
       down_bias_(std::move(down_bias)),
+      q_norms_(std::move(q_norms)),
+      k_norms_(std::move(k_norms)),
       windows_(std::move(windows)),
       num_heads_(num_heads),
       num_kv_heads_(num_kv_heads),
@@ -59,7 +81,7 @@ LlamaLayers::LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Te
   TORCH_CHECK(post_norms_.size() == n && qkv_.size() == n && o_.size() == n &&
                   gate_up_.size() == n && down_.size() == n && qkv_bias_.size() == n &&
                   o_bias_.size() == n && gate_up_bias_.size() == n && down_bias_.size() == n &&
-                  windows_.size() == n,
+                  q_norms_.size() == n && k_norms_.size() == n && windows_.size() == n,
               "LlamaLayers: every list needs one entry per layer");
   TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
               "LlamaLayers: bad head counts");
@@ -92,6 +114,10 @@ std::tuple<at::Tensor, at::Tensor> LlamaLayers::forward(
     at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, num_kv_heads_, head_dim_});
+    if (q_norms_[i].has_value() && k_norms_[i].has_value()) {
+      q = torch_rms_norm(q, *q_norms_[i], eps_);
+      k = torch_rms_norm(k, *k_norms_[i], eps_);
+    }
     rotary_embedding(q, k, cos, sin);
     const at::Tensor& cache = kv_caches[i];
     store_kv(k.narrow(0, 0, tokens), v.narrow(0, 0, tokens), cache, slot_mapping);

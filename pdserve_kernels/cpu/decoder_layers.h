@@ -16,15 +16,18 @@ namespace pdserve_cpu {
 class LlamaLayers {
  public:
   // One entry per layer in each list: the two RMSNorm weights, the four projections in
-  // linear_small_m's packed layout, their biases (None: no bias) and the layer's sliding
-  // window (0: the whole context).
+  // linear_small_m's packed layout, their biases (None: no bias), the per-head q and k
+  // RMSNorm weights (Qwen3; None: no q/k norm) and the layer's sliding window (0: the whole
+  // context).
   LlamaLayers(std::vector<at::Tensor> input_norms, std::vector<at::Tensor> post_norms,
               std::vector<at::Tensor> qkv, std::vector<at::Tensor> o,
               std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down,
               std::vector<c10::optional<at::Tensor>> qkv_bias,
               std::vector<c10::optional<at::Tensor>> o_bias,
               std::vector<c10::optional<at::Tensor>> gate_up_bias,
-              std::vector<c10::optional<at::Tensor>> down_bias, std::vector<int64_t> windows,
+              std::vector<c10::optional<at::Tensor>> down_bias,
+              std::vector<c10::optional<at::Tensor>> q_norms,
+              std::vector<c10::optional<at::Tensor>> k_norms, std::vector<int64_t> windows,
               int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
               int64_t intermediate_size, double eps, double scale);
 
@@ -42,6 +45,7 @@ class LlamaLayers {
  private:
   std::vector<at::Tensor> input_norms_, post_norms_, qkv_, o_, gate_up_, down_;
   std::vector<c10::optional<at::Tensor>> qkv_bias_, o_bias_, gate_up_bias_, down_bias_;
+  std::vector<c10::optional<at::Tensor>> q_norms_, k_norms_;
   std::vector<int64_t> windows_;
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
   double eps_, scale_;
