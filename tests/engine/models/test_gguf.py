@@ -149,6 +149,9 @@ def test_greedy_fp32_equals_transformers_gguf_load(llm: LLM, hf_model, hf_tokeni
     assert len(prompts) == 20
     near_ties = near_ties_vs_hf(llm, hf_model, prompts, MAX_NEW_TOKENS)
     assert len(near_ties) <= 2, f"{len(near_ties)} near-ties: {near_ties}"
+    # the decode steps ran on the compiled layer loop (pdserve_kernels/cpu/decoder_layers.cpp)
+    model = llm.engine.runner.model
+    assert model.use_compiled_layers and type(model._compiled).__name__ == "LlamaLayers"
 
 
 def test_transformers_batched_reference_equals_its_lone_prompts(hf_model, hf_tokenizer) -> None:
