@@ -73,10 +73,6 @@ class UsesFusedOps:
         return self.fused_ops is not None and not x.is_cuda
 
 
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
-
-
 def padded_rows(n: int) -> int:
     """The row count a CPU forward over n tokens runs at. oneDNN builds (and JITs) a GEMM
     primitive for every new row count, 2-20 ms each in bf16, so unpadded the varying batch and
@@ -632,18 +628,18 @@ class LlamaForCausalLM(CausalLM):
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
         return ops.LlamaLayers(
-            [layer.input_layernorm.weight.detach() for layer in layers],
-            [layer.post_attention_layernorm.weight.detach() for layer in layers],
+            [layer.input_layernorm.weight for layer in layers],
+            [layer.post_attention_layernorm.weight for layer in layers],
             [a.qkv_proj.small for a in attn],
             [a.o_proj.small for a in attn],
             [m.gate_up_proj.small for m in mlp],
             [m.down_proj.small for m in mlp],
-            [_detached(a.qkv_proj.bias) for a in attn],
-            [_detached(a.o_proj.bias) for a in attn],
-            [_detached(m.gate_up_proj.bias) for m in mlp],
-            [_detached(m.down_proj.bias) for m in mlp],
-            [None if a.q_norm is None else a.q_norm.weight.detach() for a in attn],
-            [None if a.k_norm is None else a.k_norm.weight.detach() for a in attn],
+            [a.qkv_proj.bias for a in attn],
+            [a.o_proj.bias for a in attn],
+            [m.gate_up_proj.bias for m in mlp],
+            [m.down_proj.bias for m in mlp],
+            [None if a.q_norm is None else a.q_norm.weight for a in attn],
+            [None if a.k_norm is None else a.k_norm.weight for a in attn],
             [a.window or 0 for a in attn],
             arch.num_heads,
             arch.num_kv_heads,
@@ -670,7 +666,7 @@ class LlamaForCausalLM(CausalLM):
             x = F.embedding(input_ids, self.model.embed_tokens.weight)
         else:  # the previous stage's residual stream
             x, residual = stage.receive(input_ids.shape[0], self.arch.hidden_size, self.dtype)
-        compiled = self._compiled_layers(x.shape[0], kv_caches, meta) if stage is None else None
+        compiled = self._compiled_layers(x.shape[0], kv_caches, meta)  # None with a stage
         if compiled is not None:
             residual, x = x, self.model.layers[0].input_layernorm(x)
             nd, prefills = meta.num_decode_tokens, meta.prefill_batch if meta.prefills else None
