@@ -128,8 +128,9 @@ async def serve_commands(ctrl: Connection, config: Config) -> None:
             command, *args = await asyncio.to_thread(ctrl.recv)
             if command == "expect":
                 transfer_id, layout_fields, num_blocks = args
-                receiver.expect(transfer_id, LayoutSignature(*layout_fields), num_blocks, on_blocks)
-                ctrl.send("ready")
+                lay = LayoutSignature(*layout_fields)
+                token = receiver.expect(transfer_id, lay, num_blocks, on_blocks)
+                ctrl.send(("ready", token))  # a transfer's messages carry the token it issued
                 stats = await receiver.wait(transfer_id, timeout_s=30)
                 ctrl.send((time.perf_counter(), stats.bytes))
             elif command == "cpu":
@@ -178,12 +179,13 @@ class Driver:
         self.count += 1
         transfer_id = f"bench-{self.count}"
         num_blocks = data.nbytes // lay.block_bytes
-        assert await self.ask("expect", transfer_id, astuple(lay), num_blocks) == "ready"
+        answer, token = await self.ask("expect", transfer_id, astuple(lay), num_blocks)
+        assert answer == "ready"
         per_message = num_blocks // num_messages
         sends = []
         for first in range(0, num_blocks, per_message):
             n = min(per_message, num_blocks - first)
-            header = TransferHeader(transfer_id, lay, first, n, n * lay.block_bytes)
+            header = TransferHeader(transfer_id, lay, first, n, n * lay.block_bytes, token=token)
             chunk = data[first * lay.block_bytes : (first + n) * lay.block_bytes]
             sends.append((header, chunk))
         started = time.perf_counter()
