@@ -14,6 +14,10 @@ What Gemma 3 adds, matching transformers' Gemma3ForCausalLM:
   base (local_rope_theta); the full-attention layers use rope_theta and rope_scaling;
 - tied embeddings, optional final logit softcapping.
 
+On the compiled CPU kernels a forward runs every layer in one call (CausalLM._compiled_layers,
+pdserve_kernels/cpu/decoder_layers.cpp GemmaLayers: the same kernels and torch ops in the same
+order, bit-identical to the layers below).
+
 KV cache layout: the same as every model's (engine/attention.py), one tensor over all layers
 with the same blocks for each, so a sliding-window layer keeps the K/V of every position although
 it only attends to the last sliding_window. The block manager, prefix caching and KV transfer
@@ -23,7 +27,7 @@ need 512 positions per request, not max_model_len).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -158,6 +162,56 @@ class Gemma3ForCausalLM(CausalLM):
             self.register_buffer(f"{prefix}_cos", cos, persistent=False)
             self.register_buffer(f"{prefix}_sin", sin, persistent=False)
 
+    def _build_compiled_layers(self) -> Any | None:
+        """The compiled loop (pdserve_kernels/cpu GemmaLayers) where every layer is a plain
+        Gemma 3 layer on the few-row kernel's projections (CausalLM._compiled_layers)."""
+        ops = self.fused_ops
+        if ops is None or not hasattr(ops, "GemmaLayers") or self.stage is not None:
+            return None
+        layers = list(self.model.layers)
+        norms = (
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        )
+        plain = all(
+            type(layer) is Gemma3DecoderLayer
+            and type(layer.self_attn) is Gemma3Attention
+            and type(layer.mlp) is GeGLU
+            and all(type(getattr(layer, name)) is GemmaRMSNorm for name in norms)
+            and type(layer.self_attn.q_norm) is GemmaRMSNorm
+            and type(layer.self_attn.k_norm) is GemmaRMSNorm
+            for layer in layers
+        )
+        if not layers or not plain or not self._loop_takes_projections(layers):
+            return None
+        arch = self.arch
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        return ops.GemmaLayers(
+            *([getattr(layer, name).weight for layer in layers] for name in norms),
+            [a.qkv_proj.small for a in attn],
+            [a.o_proj.small for a in attn],
+            [m.gate_up_proj.small for m in mlp],
+            [m.down_proj.small for m in mlp],
+            [a.qkv_proj.bias for a in attn],
+            [a.o_proj.bias for a in attn],
+            [m.gate_up_proj.bias for m in mlp],
+            [m.down_proj.bias for m in mlp],
+            [a.q_norm.weight for a in attn],
+            [a.k_norm.weight for a in attn],
+            [a.window or 0 for a in attn],
+            [layer.sliding for layer in layers],
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            arch.hidden_size,
+            arch.intermediate_size,
+            layers[0].input_layernorm.eps,
+            attn[0].scale,
+        )
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -172,6 +226,12 @@ class Gemma3ForCausalLM(CausalLM):
             True: (self.local_rope_cos[positions], self.local_rope_sin[positions]),
         }
         x = F.embedding(input_ids, self.model.embed_tokens.weight) * self.embed_scale
+        compiled = self._compiled_layers(x.shape[0], kv_caches, meta)
+        if compiled is not None:
+            residual, x = x, self.model.layers[0].input_layernorm(x)
+            step = self._loop_step_args(meta)
+            x, residual = compiled.forward(x, residual, *rope[False], *rope[True], kv_caches, *step)
+            return self._final_norm(x, residual, num_tokens)
         residual = None
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             cos, sin = rope[layer.sliding]

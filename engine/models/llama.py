@@ -434,11 +434,65 @@ class CausalLM(UsesFusedOps, nn.Module):
     _packed_tied_head: torch.Tensor | None = None
     _small_tied_head: torch.Tensor | None = None
     _compiled: Any = None
-    """LlamaForCausalLM's compiled layer loop (pdserve_kernels/cpu LlamaLayers) once built,
+    """The compiled layer loop (pdserve_kernels/cpu LlamaLayers / GemmaLayers) once built,
     False where this model cannot use it, None until the first forward decides."""
     stage: PipelineStage | None = None
     """Pipeline parallelism (engine/parallel.py): this process runs only its stage's layers,
     taking the residual stream from the previous stage and handing it on."""
+
+    use_compiled_layers = os.environ.get("PDSERVE_COMPILED_LAYERS", "1") != "0"
+    """Whether forward may run its layers through the compiled layer loop (_compiled_layers);
+    False (or PDSERVE_COMPILED_LAYERS=0 at import, for A/B benchmarks): always the Python
+    layers (tests compare the two)."""
+
+    _compiled_max_rows: int | None = None
+    """Most rows a forward may have to take the loop (None: any): where a projection has a
+    oneDNN copy, forwards past SMALL_ROWS_MAX rows take the Python layers (packed_linear)."""
+
+    def _compiled_layers(
+        self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> Any | None:
+        """The compiled loop over every layer (pdserve_kernels/cpu/decoder_layers.cpp: the same
+        kernels in the same order as the layers' forward, bit-identical, without ~25 Python
+        calls a layer: SmolLM2 bf16 decode steps 1.8-2.1 ms shorter on 2 Zen 4 cores, 12.3 ->
+        10.5 ms at 1 row, 20.1 -> 18.0 at 8), or None where the Python layers must run: a
+        model whose layers the loop does not know (_build_compiled_layers), or not on the
+        compiled CPU kernels (LoRA, tensor parallelism, a projection without the few-row
+        kernel's layout), a step past the kernel's rows, another attention backend, or a cache
+        in another dtype (float8). Built at the first forward, after LoRA and tensor
+        parallelism attach to the projections (engine construction); pack_weights and
+        use_cpu_fused_ops drop it."""
+        if self._compiled is None:
+            self._compiled = self._build_compiled_layers() or False
+        if self._compiled is False or not self.use_compiled_layers:
+            return None
+        if self._compiled_max_rows is not None and rows > self._compiled_max_rows:
+            return None
+        if not isinstance(meta.backend, CpuAttention) or kv_caches[0].dtype != self.dtype:
+            return None
+        return self._compiled
+
+    def _build_compiled_layers(self) -> Any | None:
+        """The loop over this model's layers, or None (here: no loop for this model)."""
+        return None
+
+    def _loop_takes_projections(self, layers: list[nn.Module]) -> bool:
+        """Whether every projection of these layers has the few-row kernel's layout and
+        nothing on top (a LoRA slot, a tensor-parallel sum); sets _compiled_max_rows."""
+        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
+        if any(m.small is None or m.lora is not None or m.reduce is not None for m in linears):
+            return False
+        self._compiled_max_rows = None if all(m.packed is None for m in linears) else SMALL_ROWS_MAX
+        return True
+
+    @staticmethod
+    def _loop_step_args(meta: AttentionMetadata) -> tuple[Any, ...]:
+        """The loop's forward arguments after the caches: the step's slots, decode rows and
+        prompt chunks, as CpuAttention reads them from meta."""
+        nd = meta.num_decode_tokens
+        prefills = meta.prefill_batch if meta.prefills else (None, None, None, None)
+        decode = (meta.decode_block_tables, meta.decode_seq_lens) if nd else (None, None)
+        return (meta.slot_mapping, nd, *decode, *prefills)
 
     def forward(
         self,
@@ -500,7 +554,7 @@ class CausalLM(UsesFusedOps, nn.Module):
         for module in self.modules():
             if isinstance(module, UsesFusedOps):
                 module.fused_ops = ops
-        self._compiled = None  # LlamaForCausalLM's layer loop: decided again at the next forward
+        self._compiled = None  # the layer loop: decided again at the next forward
 
     def pack_weights(self) -> None:
         """Reorder every projection's weight for oneDNN and the few-row kernel (after loading;
@@ -508,7 +562,7 @@ class CausalLM(UsesFusedOps, nn.Module):
         linears = [module for module in self.modules() if isinstance(module, Linear)]
         for module in linears:
             module.pack()
-        self._compiled = None  # LlamaForCausalLM's layer loop holds the old layouts
+        self._compiled = None  # the layer loop holds the old layouts
         if self.lm_head is None:
             embed = self.model.embed_tokens.weight
             self._small_tied_head = pack_small_rows(embed)
@@ -569,38 +623,6 @@ class LlamaForCausalLM(CausalLM):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    use_compiled_layers = os.environ.get("PDSERVE_COMPILED_LAYERS", "1") != "0"
-    """Whether forward may run its layers through the compiled layer loop (_compiled_layers);
-    False (or PDSERVE_COMPILED_LAYERS=0 at import, for A/B benchmarks): always the Python
-    layers (tests compare the two)."""
-
-    _compiled_max_rows: int | None = None
-    """Most rows a forward may have to take the loop (None: any): where a projection has a
-    oneDNN copy, forwards past SMALL_ROWS_MAX rows take the Python layers (packed_linear)."""
-
-    def _compiled_layers(
-        self, rows: int, kv_caches: list[torch.Tensor], meta: AttentionMetadata
-    ) -> Any | None:
-        """The compiled loop over every layer (pdserve_kernels/cpu/decoder_layers.cpp: the same
-        kernels in the same order as the layers' forward, bit-identical, without ~25 Python
-        calls a layer: SmolLM2 bf16 decode steps 1.8-2.1 ms shorter on 2 Zen 4 cores, 12.3 ->
-        10.5 ms at 1 row, 20.1 -> 18.0 at 8), or None where the Python layers must run: a
-        model whose layers are not all Llama-family ones (Qwen3's q/k norms included) on the
-        compiled CPU kernels (LoRA, tensor parallelism, a projection without the few-row
-        kernel's layout), a step past the kernel's rows, another attention backend, or a cache
-        in another dtype (float8). Built at the first forward, after LoRA and tensor
-        parallelism attach to the projections (engine construction); pack_weights and
-        use_cpu_fused_ops drop it."""
-        if self._compiled is None:
-            self._compiled = self._build_compiled_layers() or False
-        if self._compiled is False or not self.use_compiled_layers:
-            return None
-        if self._compiled_max_rows is not None and rows > self._compiled_max_rows:
-            return None
-        if not isinstance(meta.backend, CpuAttention) or kv_caches[0].dtype != self.dtype:
-            return None
-        return self._compiled
-
     def _build_compiled_layers(self) -> Any | None:
         ops = self.fused_ops
         if ops is None or not hasattr(ops, "LlamaLayers") or self.stage is not None:
@@ -616,14 +638,8 @@ class LlamaForCausalLM(CausalLM):
             and type(layer.self_attn.q_norm) in (RMSNorm, type(None))
             for layer in layers
         )
-        linears = [m for layer in layers for m in layer.modules() if isinstance(m, Linear)]
-        if (
-            not layers
-            or not plain
-            or any(m.small is None or m.lora is not None or m.reduce is not None for m in linears)
-        ):
+        if not layers or not plain or not self._loop_takes_projections(layers):
             return None
-        self._compiled_max_rows = None if all(m.packed is None for m in linears) else SMALL_ROWS_MAX
         arch = self.arch
         attn = [layer.self_attn for layer in layers]
         mlp = [layer.mlp for layer in layers]
@@ -669,12 +685,8 @@ class LlamaForCausalLM(CausalLM):
         compiled = self._compiled_layers(x.shape[0], kv_caches, meta)  # None with a stage
         if compiled is not None:
             residual, x = x, self.model.layers[0].input_layernorm(x)
-            nd, prefills = meta.num_decode_tokens, meta.prefill_batch if meta.prefills else None
-            x, residual = compiled.forward(
-                x, residual, cos, sin, kv_caches, meta.slot_mapping, nd,
-                meta.decode_block_tables if nd else None, meta.decode_seq_lens if nd else None,
-                *(prefills or (None, None, None, None)),
-            )  # fmt: skip
+            step = self._loop_step_args(meta)
+            x, residual = compiled.forward(x, residual, cos, sin, kv_caches, *step)
             return self._final_norm(x, residual, num_tokens)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)

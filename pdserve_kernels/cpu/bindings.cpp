@@ -74,6 +74,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("decode_lens"), py::arg("query_start"), py::arg("query_len"),
            py::arg("context_len"), py::arg("block_tables"), no_gil)
       .def_property_readonly("num_layers", &pdserve_cpu::LlamaLayers::num_layers);
+  py::class_<pdserve_cpu::GemmaLayers>(
+      m, "GemmaLayers",
+      "Gemma 3's decoder layers over these kernels, one call per forward (decoder_layers.cpp)")
+      .def(py::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<c10::optional<at::Tensor>>, std::vector<c10::optional<at::Tensor>>,
+                    std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<bool>, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+                    double>(),
+           py::arg("input_norms"), py::arg("post_attention_norms"),
+           py::arg("pre_feedforward_norms"), py::arg("post_feedforward_norms"), py::arg("qkv"),
+           py::arg("o"), py::arg("gate_up"), py::arg("down"), py::arg("qkv_bias"),
+           py::arg("o_bias"), py::arg("gate_up_bias"), py::arg("down_bias"), py::arg("q_norms"),
+           py::arg("k_norms"), py::arg("windows"), py::arg("local_rope"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("hidden_size"),
+           py::arg("intermediate_size"), py::arg("eps"), py::arg("scale"))
+      .def("forward", &pdserve_cpu::GemmaLayers::forward,
+           "every layer over one step's rows: (last normed mlp output, residual)", py::arg("x"),
+           py::arg("residual"), py::arg("cos"), py::arg("sin"), py::arg("local_cos"),
+           py::arg("local_sin"), py::arg("kv_caches"), py::arg("slot_mapping"),
+           py::arg("num_decode"), py::arg("decode_tables"), py::arg("decode_lens"),
+           py::arg("query_start"), py::arg("query_len"), py::arg("context_len"),
+           py::arg("block_tables"), no_gil)
+      .def_property_readonly("num_layers", &pdserve_cpu::GemmaLayers::num_layers);
   m.def("linear_small_m_available", &linear_small_m_available,
         "whether linear_small_m runs here (an AVX2 + FMA build; bf16 on AMX builds needs the OS's grant)");
 }

@@ -1,9 +1,10 @@
-"""The compiled layer loop (pdserve_kernels/cpu/decoder_layers.cpp, LlamaForCausalLM's
-_compiled_layers) against the Python layers it replaces: the same kernels in the same order,
-so every logit must be bit-identical, over prefill, chunked prefill over a cached prefix,
-decodes beside prompt chunks and padding rows, in float32 and bfloat16, with q/k/v biases and
-Qwen3's q/k norms; and the models it must not run (a projection without the few-row layout,
-LoRA, tensor parallelism, another attention backend) keep the Python layers."""
+"""The compiled layer loops (pdserve_kernels/cpu/decoder_layers.cpp, CausalLM's
+_compiled_layers: LlamaLayers, GemmaLayers) against the Python layers they replace: the same
+kernels and torch ops in the same order, so every logit must be bit-identical, over prefill,
+chunked prefill over a cached prefix, decodes beside prompt chunks and padding rows, in float32
+and bfloat16, with q/k/v biases, Qwen3's q/k norms, and Gemma 3's four norms a layer, GeGLU,
+local RoPE and sliding windows; and the models they must not run (a projection without the
+few-row layout, LoRA, tensor parallelism, another attention backend) keep the Python layers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.loader import parse_model_arch
 from pdserve.engine.models.registry import get_model_class
 from pdserve.kernels.cpu import cpu_ops
+from tests.engine.models.test_gemma3_vs_hf import WINDOW, gemma3_dir  # noqa: F401 (fixture)
 from tests.engine.models.test_llama_vs_hf import PagedSeqs, random_ids
 
 OPS = cpu_ops()
@@ -108,6 +110,25 @@ def test_compiled_layers_bit_identical(tiny_model_dir, cpu_kernels, arch, dtype)
     compiled = run_steps(model, compiled=True, vocab=vocab)
     assert len(calls) == len(STEPS), "every step must take the compiled loop"
     assert len(python) == len(compiled)
+    for i, (p, c) in enumerate(zip(python, compiled, strict=True)):
+        assert torch.isfinite(p).all()
+        assert torch.equal(p, c), f"entry {i}: max diff {(p - c).abs().max().item():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma3_compiled_layers_bit_identical(gemma3_dir, cpu_kernels, dtype) -> None:  # noqa: F811
+    """Gemma 3 (3 of 4 layers sliding, window 16, local RoPE base on those): STEPS' prompts
+    run past the window, so the windows, both RoPE tables and every norm are exercised."""
+    model = random_model(gemma3_dir, dtype)
+    assert any(layer.sliding for layer in model.model.layers)
+    assert not all(layer.sliding for layer in model.model.layers)
+    assert max(n for step in STEPS for _, n in step) > WINDOW
+    vocab = model.arch.vocab_size
+    calls = count_compiled_calls(model)
+    python = run_steps(model, compiled=False, vocab=vocab)
+    assert calls == [] and model._compiled.num_layers == model.arch.num_layers
+    compiled = run_steps(model, compiled=True, vocab=vocab)
+    assert len(calls) == len(STEPS), "every step must take the compiled loop"
     for i, (p, c) in enumerate(zip(python, compiled, strict=True)):
         assert torch.isfinite(p).all()
         assert torch.equal(p, c), f"entry {i}: max diff {(p - c).abs().max().item():.3g}"
