@@ -14,9 +14,10 @@ What Gemma 3 adds, matching transformers' Gemma3ForCausalLM:
   base (local_rope_theta); the full-attention layers use rope_theta and rope_scaling;
 - tied embeddings, optional final logit softcapping.
 
-On the compiled CPU kernels a forward runs every layer in one call (CausalLM._compiled_layers,
-pdserve_kernels/cpu/decoder_layers.cpp GemmaLayers: the same kernels and torch ops in the same
-order, bit-identical to the layers below).
+On the compiled CPU kernels the norms and GeGLU are one pass each (gemma_rms_norm,
+gemma_add_rms_norm, gelu_tanh_and_mul), and a forward runs every layer in one call
+(CausalLM._compiled_layers, pdserve_kernels/cpu/decoder_layers.cpp GemmaLayers: the same kernels
+in the same order, bit-identical to the layers below).
 
 KV cache layout: the same as every model's (engine/attention.py), one tensor over all layers
 with the same blocks for each, so a sliding-window layer keeps the K/V of every position although
@@ -38,6 +39,7 @@ from pdserve.engine.models.llama import (
     MLP,
     Attention,
     CausalLM,
+    UsesFusedOps,
     _param,
     make_lm_head,
     rope_cos_sin,
@@ -48,10 +50,10 @@ if TYPE_CHECKING:
     from pdserve.engine.models.loader import ModelArch
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(UsesFusedOps, nn.Module):
     """x / rms(x) * (1 + weight), computed in float32 and rounded to x's dtype once (as
-    transformers' Gemma3RMSNorm). Always the torch ops: the fused CPU kernel rounds before it
-    scales, Llama's order."""
+    transformers' Gemma3RMSNorm): the torch ops, or on the compiled CPU kernels one pass
+    (gemma_rms_norm; Llama's rms_norm kernel rounds before it scales)."""
 
     def __init__(self, dim: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -59,6 +61,8 @@ class GemmaRMSNorm(nn.Module):
         self.weight = _param(dim, dtype=dtype, fill=0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fusable(x) and x.dim() in (2, 3) and x.stride(-1) == 1:
+            return self.fused_ops.gemma_rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * (1.0 + self.weight.float())).to(x.dtype)
@@ -66,7 +70,11 @@ class GemmaRMSNorm(nn.Module):
     def add_and_norm(
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + x), residual + x), like llama.RMSNorm.add_and_norm."""
+        """(norm(residual + x), residual + x), like llama.RMSNorm.add_and_norm (on the compiled
+        kernels in place: x and residual are the layer's own)."""
+        if self._fusable(x) and x.is_contiguous() and residual.is_contiguous():
+            self.fused_ops.gemma_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
         residual = residual + x
         return self(residual), residual
 
@@ -87,7 +95,10 @@ class GeGLU(MLP):
     """down(gelu_tanh(gate) * up), the fused gate/up projection of Llama's MLP."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self._fusable(gate_up):
+            return self.down_proj(self.fused_ops.gelu_tanh_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 

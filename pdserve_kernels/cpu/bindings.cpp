@@ -34,6 +34,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "residual += x, then x = RMSNorm(residual), both in place", no_gil);
   m.def("rotary_embedding", &rotary_embedding, "rotate-half RoPE of q and k, in place", no_gil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[..., :d]) * x[..., d:]", no_gil);
+  m.def("gemma_rms_norm", &gemma_rms_norm,
+        "Gemma's RMSNorm of x's rows (x * (1 + weight), float32, rounded once); rows may be "
+        "strided heads",
+        no_gil);
+  m.def("gemma_add_rms_norm", &gemma_add_rms_norm,
+        "residual += x, then x = gemma_rms_norm(residual), both in place", no_gil);
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(x[..., :d]) * x[..., d:]", no_gil);
   m.def("argmax_rows", &argmax_rows,
         "row-wise argmax of a float32 matrix (torch.argmax's answer)", no_gil);
   m.def("fused_ops_vectorized", &fused_ops_vectorized, "whether the AVX-512 paths are built");

@@ -18,14 +18,12 @@
 // nothing: their attention output is zero, as paged_attention leaves it.
 //
 // Gemma 3's layers (GemmaLayers, below) share the attention (attend) and differ around it:
-// four norms a layer by the torch ops of GemmaRMSNorm, GeGLU, a local RoPE table on sliding
-// layers. Its Python layers make ~35 calls a layer; Gemma 3 270M bf16 decode steps on the same
-// machine: 1 row 24.7 -> 21.5 ms, 8 rows 33.6 -> 31.9 (its norms stay torch ops: ~12 a layer).
+// four norms a layer and the q/k norms (gemma_rms_norm, gemma_add_rms_norm), GeGLU
+// (gelu_tanh_and_mul), a local RoPE table on sliding layers.
 #include "decoder_layers.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/mean.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/pow.h>
@@ -46,14 +44,6 @@ at::Tensor torch_rms_norm(const at::Tensor& x, const at::Tensor& weight, double 
   at::Tensor xf = x.to(at::kFloat);
   xf = at::mul(xf, at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps)));
   return at::mul(weight, xf.to(x.scalar_type()));
-}
-
-// Gemma's RMSNorm by the torch ops of engine/models/gemma3.py's GemmaRMSNorm.forward: float32
-// statistics, x * (1 + w) in float32, rounded to x's dtype once.
-at::Tensor gemma_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  xf = at::mul(xf, at::rsqrt(at::add(at::mean(at::pow(xf, 2), {-1}, true), eps)));
-  return at::mul(xf, at::add(weight.to(at::kFloat), 1.0)).to(x.scalar_type());
 }
 
 // What a step's rows need from the caller for attention (checked once per forward).
@@ -236,7 +226,8 @@ GemmaLayers::GemmaLayers(
               "GemmaLayers: bad head counts");
 }
 
-// A layer, as Gemma3DecoderLayer.forward (the first layer's input norm is the caller's):
+// A layer, as Gemma3DecoderLayer.forward on the fused kernels (the first layer's input norm is
+// the caller's):
 //   residual += x; x = norm(residual)
 //   q, k, v = views of linear(x, qkv); q, k = q_norm(q), k_norm(k); attention (attend)
 //   x = post_attention_norm(linear(attn, o)); residual += x; x = pre_feedforward_norm(residual)
@@ -257,10 +248,7 @@ std::tuple<at::Tensor, at::Tensor> GemmaLayers::forward(
   const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
   const int64_t inter = intermediate_size_;
   for (int64_t i = 0; i < layers; ++i) {
-    if (i > 0) {
-      residual = at::add(residual, x);
-      x = gemma_rms_norm(residual, input_norms_[i], eps_);
-    }
+    if (i > 0) gemma_add_rms_norm(x, residual, input_norms_[i], eps_);
     at::Tensor qkv = linear_small_m(x, qkv_[i], q_size + 2 * kv_size, qkv_bias_[i]);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({rows, num_heads_, head_dim_});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, num_kv_heads_, head_dim_});
@@ -271,12 +259,11 @@ std::tuple<at::Tensor, at::Tensor> GemmaLayers::forward(
     at::Tensor out = attend(step, q, k, v, local ? local_cos : cos, local ? local_sin : sin,
                             kv_caches[i], scale_, windows_[i]);
     at::Tensor attn = linear_small_m(out, o_[i], hidden_size_, o_bias_[i]);
-    residual = at::add(residual, gemma_rms_norm(attn, post_attention_norms_[i], eps_));
-    x = gemma_rms_norm(residual, pre_feedforward_norms_[i], eps_);
+    x = gemma_rms_norm(attn, post_attention_norms_[i], eps_);
+    gemma_add_rms_norm(x, residual, pre_feedforward_norms_[i], eps_);
     at::Tensor gate_up = linear_small_m(x, gate_up_[i], 2 * inter, gate_up_bias_[i]);
-    at::Tensor act = at::mul(at::gelu(gate_up.narrow(1, 0, inter), "tanh"),
-                             gate_up.narrow(1, inter, inter));
-    x = gemma_rms_norm(linear_small_m(act, down_[i], hidden_size_, down_bias_[i]),
+    x = gemma_rms_norm(linear_small_m(gelu_tanh_and_mul(gate_up), down_[i], hidden_size_,
+                                      down_bias_[i]),
                        post_feedforward_norms_[i], eps_);
   }
   return {x, residual};

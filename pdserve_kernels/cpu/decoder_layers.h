@@ -52,9 +52,9 @@ class LlamaLayers {
 };
 
 // Gemma 3's layers (engine/models/gemma3.py's Gemma3DecoderLayer) in one call per forward:
-// the attention of LlamaLayers, with Gemma's four norms a layer (x * (1 + w) in float32, by the
-// torch ops of GemmaRMSNorm.forward), its q/k norms, a GeGLU MLP (gelu, tanh approximation)
-// and, on a sliding-window layer, the local RoPE table.
+// the attention of LlamaLayers, with Gemma's four norms a layer and its q/k norms
+// (gemma_rms_norm: x * (1 + w) in float32), a GeGLU MLP (gelu, tanh approximation) and, on a
+// sliding-window layer, the local RoPE table.
 class GemmaLayers {
  public:
   // One entry per layer in each list (biases and windows as LlamaLayers'); local_rope: the

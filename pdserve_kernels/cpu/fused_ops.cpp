@@ -10,6 +10,13 @@
 //   rotary_embedding(q [T, Hq, D], k [T, Hkv, D], cos [T, D/2], sin [T, D/2]): in place,
 //       rotate-half convention (Llama / Qwen / Mistral checkpoints)
 //   silu_and_mul(x [T, 2I]) -> silu(x[:, :I]) * x[:, I:]
+//
+// Gemma 3's (engine/models/gemma3.py), in its rounding: the norm's scale applied in float32
+// and rounded once; gelu rounded before it multiplies up, as torch's two ops round.
+//   gemma_rms_norm(x [..., H], w [H], eps) -> to_dtype((x * rsqrt(mean(x^2) + eps)) * (1 + w))
+//       (x's rows may be strided views: a q or k head of the fused qkv output)
+//   gemma_add_rms_norm(x, residual, w, eps): residual = residual + x; x = gemma_rms_norm(residual)
+//   gelu_tanh_and_mul(x [T, 2I]) -> gelu_tanh(x[:, :I]) * x[:, I:]
 #include <ATen/Parallel.h>
 // The ATen headers only (not <torch/extension.h>, which paged_attention.cpp's bindings need):
 // ~4 s of headers a file instead of ~27.
@@ -226,6 +233,109 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+// ---------------------------------------------------------------- Gemma 3
+
+template <typename T>
+void gemma_rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  int64_t i = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= h; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < h; ++i) ss += to_float(x[i]) * to_float(x[i]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
+  for (; i + 16 <= h; i += 16)
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), rv),
+                                   _mm512_add_ps(load16(w + i), one)));
+#endif
+  for (; i < h; ++i) out[i] = static_cast<T>((to_float(x[i]) * r) * (to_float(w[i]) + 1.f));
+}
+
+// x [A, H] or [A, B, H], any strides but a contiguous last dim; out contiguous, x's shape.
+template <typename T>
+void gemma_rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, double eps) {
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  const int64_t inner = x.dim() == 3 ? x.size(1) : 1;
+  const int64_t outer_stride = x.stride(0), inner_stride = x.dim() == 3 ? x.stride(1) : 0;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* row = xp + (r / inner) * outer_stride + (r % inner) * inner_stride;
+      gemma_rms_norm_row<T>(row, wp, op + r * h, h, static_cast<float>(eps));
+    }
+  });
+}
+
+template <typename T>
+void gemma_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
+                             double eps) {
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  T* xp = x.data_ptr<T>();
+  T* rp = residual.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      T* xr = xp + t * h;
+      T* rr = rp + t * h;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= h; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
+#endif
+      for (; i < h; ++i) rr[i] = static_cast<T>(to_float(rr[i]) + to_float(xr[i]));
+      gemma_rms_norm_row<T>(rr, wp, xr, h, static_cast<float>(eps));
+    }
+  });
+}
+
+// gelu, tanh approximation: 0.5 g (1 + tanh(y)), y = sqrt(2 / pi) (g + 0.044715 g^3), taken as
+// g / (1 + e^-2y) (the same value: 1 + tanh(y) = 2 sigmoid(2y)), which keeps its precision
+// where 1 + tanh(y) cancels (g below ~-3: there 1 - 2 / (e^2y + 1) flipped ~5% of bf16 results
+// against torch's); exp16 clamps e^-2y, so a very negative gate gives -0, not NaN.
+constexpr float kGeluBeta = 0.7978845608028654f, kGeluKappa = 0.044715f;
+
+template <typename T>
+void gelu_tanh_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  const int64_t d = out.size(-1), rows = out.numel() / d;
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  parallel_for(0, rows, std::max<int64_t>(1, 65536 / d), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = xp + t * 2 * d;
+      const T* up = gate + d;
+      T* o = op + t * d;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f), minus_two_beta = _mm512_set1_ps(-2.f * kGeluBeta),
+                   kappa = _mm512_set1_ps(kGeluKappa);
+      for (; i + 16 <= d; i += 16) {
+        const __m512 g = load16(gate + i);
+        const __m512 cube = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
+        const __m512 inner = _mm512_add_ps(g, _mm512_mul_ps(kappa, cube));
+        const __m512 e = exp16(_mm512_mul_ps(minus_two_beta, inner));
+        const __m512 gelu = _mm512_div_ps(g, _mm512_add_ps(one, e));
+        store16(o + i, _mm512_mul_ps(round16<T>(gelu), load16(up + i)));
+      }
+#endif
+      for (; i < d; ++i) {
+        const float g = to_float(gate[i]);
+        const float e = std::exp(std::min(-2.f * kGeluBeta * (g + kGeluKappa * g * g * g), 88.f));
+        const float gelu = g / (1.f + e);
+        o[i] = static_cast<T>(round_to<T>(gelu) * to_float(up[i]));
+      }
+    }
+  });
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, name,
@@ -285,6 +395,43 @@ at::Tensor silu_and_mul(at::Tensor x) {
   auto out = at::empty(sizes, x.options());
   if (x.scalar_type() == at::kFloat) silu_and_mul_impl<float>(x, out);
   else silu_and_mul_impl<BF16>(x, out);
+  return out;
+}
+
+at::Tensor gemma_rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK((x.dim() == 2 || x.dim() == 3) && x.stride(-1) == 1,
+              "gemma_rms_norm: x must be [rows, hidden] or [rows, heads, dim], unit last stride");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  weight.numel() == x.size(-1),
+              "weight must be [hidden] in x's dtype");
+  auto out = at::empty(x.sizes(), x.options());
+  if (x.numel() == 0) return out;
+  if (x.scalar_type() == at::kFloat) gemma_rms_norm_impl<float>(x, weight, out, eps);
+  else gemma_rms_norm_impl<BF16>(x, weight, out, eps);
+  return out;
+}
+
+void gemma_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
+              "gemma_add_rms_norm needs contiguous inputs");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
+              "weight must be [hidden] in x's dtype");
+  if (x.scalar_type() == at::kFloat) gemma_add_rms_norm_impl<float>(x, residual, weight, eps);
+  else gemma_add_rms_norm_impl<BF16>(x, residual, weight, eps);
+}
+
+at::Tensor gelu_tanh_and_mul(at::Tensor x) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.is_contiguous() && x.size(-1) % 2 == 0, "x must be contiguous [..., 2 * d]");
+  auto sizes = x.sizes().vec();
+  sizes.back() /= 2;
+  auto out = at::empty(sizes, x.options());
+  if (x.scalar_type() == at::kFloat) gelu_tanh_and_mul_impl<float>(x, out);
+  else gelu_tanh_and_mul_impl<BF16>(x, out);
   return out;
 }
 

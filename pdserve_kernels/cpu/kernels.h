@@ -19,6 +19,9 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
 at::Tensor silu_and_mul(at::Tensor x);
+at::Tensor gemma_rms_norm(at::Tensor x, at::Tensor weight, double eps);
+void gemma_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+at::Tensor gelu_tanh_and_mul(at::Tensor x);
 bool fused_ops_vectorized();
 // sampling_ops.cpp
 at::Tensor argmax_rows(at::Tensor x);

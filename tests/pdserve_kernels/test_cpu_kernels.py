@@ -336,6 +336,68 @@ def test_fused_layers_match_torch(ops, dtype, tokens, hidden):
         assert (got != want).float().mean() < 0.01, "only last-bit differences"
 
 
+def torch_gemma_rms_norm(x, w, eps):
+    """engine/models/gemma3.py GemmaRMSNorm's torch path (transformers' Gemma3RMSNorm)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + w.float())).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,hidden", [(1, 640), (37, 512), (5, 40)])
+def test_gemma_layers_match_torch(ops, dtype, tokens, hidden):
+    """Gemma 3's norm (plain, on strided q heads of a fused qkv row, and added to the residual
+    in place) and GeGLU against the torch ops they replace: fp32 within float rounding (the
+    sum of squares is added in another order), bf16 within one rounding step at most on a few
+    elements; the residual sum is exact."""
+    g = torch.Generator().manual_seed(tokens * 5 + hidden)
+    x = torch.randn(tokens, hidden, generator=g).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)  # (1 + w): weights around 0, as Gemma's
+    res = torch.randn(tokens, hidden, generator=g).to(dtype)
+    close = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+
+    def check(got, want):
+        torch.testing.assert_close(got, want, **close)
+        if dtype == torch.bfloat16:
+            assert (got != want).float().mean() < 0.02, "only last-bit differences"
+
+    check(ops.gemma_rms_norm(x, w, 1e-6), torch_gemma_rms_norm(x, w, 1e-6))
+    heads, dim = 3, 64
+    qkv = torch.randn(tokens, (heads + 2) * dim, generator=g).to(dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows heads*dim+2*dim apart
+    wq = torch.randn(dim, generator=g).to(dtype)
+    got = ops.gemma_rms_norm(q, wq, 1e-6)
+    assert got.is_contiguous() and got.shape == q.shape
+    check(got, torch_gemma_rms_norm(q, wq, 1e-6))
+
+    xx, rr = x.clone(), res.clone()
+    ops.gemma_add_rms_norm(xx, rr, w, 1e-6)
+    torch.testing.assert_close(rr, res + x, atol=0, rtol=0)
+    check(xx, torch_gemma_rms_norm(res + x, w, 1e-6))
+
+    # GeGLU: gelu's 1 + tanh(y) cancels below g ~ -3 (torch's own fp32 result is off there
+    # by up to 100%: a gelu of ~1e-5 and less); the kernel's g * sigmoid(2y) keeps it, so it
+    # is held to the exact value, and to torch's bits where gelu matters.
+    gate_up = torch.randn(tokens, 2 * hidden, generator=g).to(dtype) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    exact = F.gelu(gate.double(), approximate="tanh")
+    got = ops.gelu_tanh_and_mul(gate_up)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact * up.double(), atol=1e-6, rtol=1e-5)
+    else:
+        rounded = exact.to(dtype).double() * up.double()  # gelu rounded, as torch rounds it
+        torch.testing.assert_close(got.double(), rounded, atol=1e-2, rtol=1e-2)
+        want = F.gelu(gate, approximate="tanh") * up
+        away = exact.abs() > 1e-2
+        assert (got != want)[away].float().mean() < 0.02, "only last-bit differences"
+    extreme = torch.tensor([-1e4, -100.0, -20.0, -3.0, 0.0, 3.0, 20.0, 100.0, 1e4] * 4)
+    ones = torch.ones_like(extreme)
+    got = ops.gelu_tanh_and_mul(torch.cat([extreme, ones])[None].to(dtype))
+    want = F.gelu(extreme.to(dtype).double(), approximate="tanh")
+    assert torch.isfinite(got).all(), got
+    torch.testing.assert_close(got.double(), want[None], atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_of_extreme_gates_is_finite(ops, dtype):
     """Gates far below -88 (exp(-g) overflows) give silu 0, not NaN, on every path: the
