@@ -310,7 +310,11 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
 
     tok_vocab = Tokenizer.from_pretrained(str(model_dir)).vocab_size
     special = json.loads((model_dir / "tokenizer.json").read_text()).get("added_tokens", [])
-    low = max((t["id"] for t in special), default=-1) + 1
+    # Prompts draw ids between the special tokens at the low end of the vocabulary and those
+    # at its high end (Gemma 3's image tokens sit above 255999 of 262144).
+    top = min(vocab, tok_vocab)
+    low = max((t["id"] for t in special if t["id"] < top // 2), default=-1) + 1
+    high = min((t["id"] for t in special if t["id"] >= top // 2), default=top)
     return {
         "architecture": cfg["architectures"][0],
         "hidden_size": hidden,
@@ -326,7 +330,7 @@ def model_facts(model_dir: Path) -> dict[str, Any]:
         + vocab * hidden * (0 if cfg.get("tie_word_embeddings") else 1)
         + layers * 2 * hidden
         + hidden,
-        "prompt_token_range": [low, min(vocab, tok_vocab)],
+        "prompt_token_range": [low, high],
         "pad_token_id": cfg.get("pad_token_id"),
     }
 
