@@ -199,17 +199,9 @@ class Gemma3ForCausalLM(CausalLM):
             return None
         arch = self.arch
         attn = [layer.self_attn for layer in layers]
-        mlp = [layer.mlp for layer in layers]
         return ops.GemmaLayers(
             *([getattr(layer, name).weight for layer in layers] for name in norms),
-            [a.qkv_proj.small for a in attn],
-            [a.o_proj.small for a in attn],
-            [m.gate_up_proj.small for m in mlp],
-            [m.down_proj.small for m in mlp],
-            [a.qkv_proj.bias for a in attn],
-            [a.o_proj.bias for a in attn],
-            [m.gate_up_proj.bias for m in mlp],
-            [m.down_proj.bias for m in mlp],
+            *self._loop_projections(layers),
             [a.q_norm.weight for a in attn],
             [a.k_norm.weight for a in attn],
             [a.window or 0 for a in attn],

@@ -486,6 +486,20 @@ class CausalLM(UsesFusedOps, nn.Module):
         return True
 
     @staticmethod
+    def _loop_projections(layers: list[nn.Module]) -> list[list[Any]]:
+        """The loop constructors' projection arguments, a list over the layers each: the qkv,
+        o, gate_up and down weights in the few-row kernel's layout, then their biases."""
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        linears = [
+            *(a.qkv_proj for a in attn), *(a.o_proj for a in attn),
+            *(m.gate_up_proj for m in mlp), *(m.down_proj for m in mlp),
+        ]  # fmt: skip
+        n = len(layers)
+        groups = [linears[i : i + n] for i in range(0, 4 * n, n)]
+        return [[m.small for m in g] for g in groups] + [[m.bias for m in g] for g in groups]
+
+    @staticmethod
     def _loop_step_args(meta: AttentionMetadata) -> tuple[Any, ...]:
         """The loop's forward arguments after the caches: the step's slots, decode rows and
         prompt chunks, as CpuAttention reads them from meta."""
@@ -642,18 +656,10 @@ class LlamaForCausalLM(CausalLM):
             return None
         arch = self.arch
         attn = [layer.self_attn for layer in layers]
-        mlp = [layer.mlp for layer in layers]
         return ops.LlamaLayers(
             [layer.input_layernorm.weight for layer in layers],
             [layer.post_attention_layernorm.weight for layer in layers],
-            [a.qkv_proj.small for a in attn],
-            [a.o_proj.small for a in attn],
-            [m.gate_up_proj.small for m in mlp],
-            [m.down_proj.small for m in mlp],
-            [a.qkv_proj.bias for a in attn],
-            [a.o_proj.bias for a in attn],
-            [m.gate_up_proj.bias for m in mlp],
-            [m.down_proj.bias for m in mlp],
+            *self._loop_projections(layers),
             [None if a.q_norm is None else a.q_norm.weight for a in attn],
             [None if a.k_norm is None else a.k_norm.weight for a in attn],
             [a.window or 0 for a in attn],

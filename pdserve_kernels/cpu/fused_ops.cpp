@@ -87,8 +87,9 @@ inline int64_t grain_rows(int64_t row_elems) { return std::max<int64_t>(1, 32768
 
 // ---------------------------------------------------------------- RMSNorm
 
+// 1 / sqrt(mean(x^2) + eps) of a row, the sum of squares in float32.
 template <typename T>
-void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+float inv_rms(const T* x, int64_t h, float eps) {
   int64_t i = 0;
   float ss = 0.f;
 #if defined(__AVX512F__)
@@ -100,8 +101,13 @@ void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
   ss = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < h; ++i) ss += to_float(x[i]) * to_float(x[i]);
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-  i = 0;
+  return 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+}
+
+template <typename T>
+void rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  const float r = inv_rms(x, h, eps);
+  int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 rv = _mm512_set1_ps(r);
   for (; i + 16 <= h; i += 16)
@@ -122,10 +128,9 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, do
   });
 }
 
-// residual = residual + x (rounded to T); x = rms_norm(residual)
-template <typename T>
-void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
-                             double eps) {
+// residual = residual + x (rounded to T); x = norm_row(residual) (rms_norm_row, or Gemma's)
+template <typename T, void (*norm_row)(const T*, const T*, T*, int64_t, float)>
+void add_then_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
   const int64_t h = x.size(-1), rows = x.numel() / h;
   T* xp = x.data_ptr<T>();
   T* rp = residual.data_ptr<T>();
@@ -139,7 +144,7 @@ void fused_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tens
       for (; i + 16 <= h; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
 #endif
       for (; i < h; ++i) rr[i] = static_cast<T>(to_float(rr[i]) + to_float(xr[i]));
-      rms_norm_row<T>(rr, wp, xr, h, static_cast<float>(eps));
+      norm_row(rr, wp, xr, h, static_cast<float>(eps));
     }
   });
 }
@@ -237,19 +242,8 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 
 template <typename T>
 void gemma_rms_norm_row(const T* x, const T* w, T* out, int64_t h, float eps) {
+  const float r = inv_rms(x, h, eps);
   int64_t i = 0;
-  float ss = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= h; i += 16) {
-    const __m512 v = load16(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  ss = _mm512_reduce_add_ps(acc);
-#endif
-  for (; i < h; ++i) ss += to_float(x[i]) * to_float(x[i]);
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
-  i = 0;
 #if defined(__AVX512F__)
   const __m512 rv = _mm512_set1_ps(r), one = _mm512_set1_ps(1.f);
   for (; i + 16 <= h; i += 16)
@@ -272,27 +266,6 @@ void gemma_rms_norm_impl(const at::Tensor& x, const at::Tensor& w, at::Tensor& o
     for (int64_t r = begin; r < end; ++r) {
       const T* row = xp + (r / inner) * outer_stride + (r % inner) * inner_stride;
       gemma_rms_norm_row<T>(row, wp, op + r * h, h, static_cast<float>(eps));
-    }
-  });
-}
-
-template <typename T>
-void gemma_add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
-                             double eps) {
-  const int64_t h = x.size(-1), rows = x.numel() / h;
-  T* xp = x.data_ptr<T>();
-  T* rp = residual.data_ptr<T>();
-  const T* wp = w.data_ptr<T>();
-  parallel_for(0, rows, grain_rows(h), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      T* xr = xp + t * h;
-      T* rr = rp + t * h;
-      int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= h; i += 16) store16(rr + i, _mm512_add_ps(load16(rr + i), load16(xr + i)));
-#endif
-      for (; i < h; ++i) rr[i] = static_cast<T>(to_float(rr[i]) + to_float(xr[i]));
-      gemma_rms_norm_row<T>(rr, wp, xr, h, static_cast<float>(eps));
     }
   });
 }
@@ -363,8 +336,9 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
               "residual must match x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
               "weight must be [hidden] in x's dtype");
-  if (x.scalar_type() == at::kFloat) fused_add_rms_norm_impl<float>(x, residual, weight, eps);
-  else fused_add_rms_norm_impl<BF16>(x, residual, weight, eps);
+  if (x.scalar_type() == at::kFloat)
+    add_then_norm_impl<float, rms_norm_row<float>>(x, residual, weight, eps);
+  else add_then_norm_impl<BF16, rms_norm_row<BF16>>(x, residual, weight, eps);
 }
 
 void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin) {
@@ -420,8 +394,9 @@ void gemma_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
               "residual must match x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
               "weight must be [hidden] in x's dtype");
-  if (x.scalar_type() == at::kFloat) gemma_add_rms_norm_impl<float>(x, residual, weight, eps);
-  else gemma_add_rms_norm_impl<BF16>(x, residual, weight, eps);
+  if (x.scalar_type() == at::kFloat)
+    add_then_norm_impl<float, gemma_rms_norm_row<float>>(x, residual, weight, eps);
+  else add_then_norm_impl<BF16, gemma_rms_norm_row<BF16>>(x, residual, weight, eps);
 }
 
 at::Tensor gelu_tanh_and_mul(at::Tensor x) {
