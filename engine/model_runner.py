@@ -9,10 +9,13 @@ chunk's speculative tokens with the rejection sampler.
 
 from __future__ import annotations
 
-import ctypes
+import atexit
+import errno
+import functools
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 import weakref
@@ -20,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -54,7 +58,8 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
     return arch.num_layers * 2 * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable, their contents unchanged
+_PREFAULT_WAIT_S = 0.5
+"""How long one wait for a free core lasts before the prefault checks its cache still lives."""
 
 _PREFAULT_RESERVE = 1 << 30
 """Memory the prefault leaves free (MemAvailable, or the cgroup limit's headroom)."""
@@ -85,19 +90,42 @@ def memory_headroom() -> int:
     return headroom
 
 
+_prefault_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@functools.cache
+def _stop_prefaults_at_exit(ops: ModuleType) -> None:
+    """At interpreter exit, end the prefault threads still waiting for a free core (a daemon
+    thread inside a native call when the interpreter ends is unwound through its C++ frames,
+    which aborts the process)."""
+
+    def stop() -> None:
+        ops.populate_cancel()
+        for thread in list(_prefault_threads):
+            thread.join(timeout=5.0)
+
+    atexit.register(stop)
+
+
 def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     """Fault in the pages of a lazily mapped cache [num_layers, num_blocks, ...] from a daemon
-    thread at idle priority (SCHED_IDLE: it runs only on a core nothing else wants), lowest
-    block ids first in every layer (the order the block pool hands never-used blocks out).
-    A first touch of never-used memory costs a page fault, and in a VM a host fault too (4 GiB
-    touched for the first time here: 6.5 s; the same pages again: 0.25 s); without this, the
-    steps that first store K/V into a block pay it. madvise(MADV_POPULATE_WRITE) maps pages
-    without changing what they hold, so blocks in use meanwhile are safe. The thread holds
-    only a weak reference and stops once the cache is freed (or the kernel lacks the advice),
-    and before it would leave less than 1 GiB of memory free (memory_headroom): the pages it
-    does not fault in are faulted by their first K/V store, as without it.
-    Returns the thread, or None where it cannot run (not Linux, no SCHED_IDLE)."""
-    if not hasattr(os, "SCHED_IDLE") or cache.dim() < 2:
+    thread on spare CPU time, lowest block ids first in every layer (the order the block pool
+    hands never-used blocks out). A first touch of never-used memory costs a page fault, and in
+    a VM a host fault too (4 GiB touched for the first time here: 6.5 s; the same pages again:
+    0.25 s); without this, the steps that first store K/V into a block pay it (a 4096-token
+    prompt through `pdserve serve` on 2 cores: 7.2 s TTFT instead of 4.9).
+    Each 2 MiB of a layer waits for a core with nothing else to run (the kernels'
+    populate_when_idle, pdserve_kernels/cpu/host_memory.cpp), then is faulted in by
+    madvise(MADV_POPULATE_WRITE), which maps pages without changing what they hold, so blocks
+    in use meanwhile are safe, at this thread's normal priority: madvise holds the process's
+    mmap lock, and the idle-priority thread this used to be, preempted inside it while another
+    node computed on every core, stalled this process's every mmap for seconds (a decode node
+    then missed the gateway's health polls, and long prompts failed). The thread holds only a
+    weak reference and stops once the cache is freed (or the kernel lacks the advice, or the
+    CPU kernels are not built), and before it would leave less than 1 GiB of memory free
+    (memory_headroom): the pages it does not fault in are faulted by their first K/V store, as
+    without it. Returns the thread, or None where it cannot run (not Linux)."""
+    if not sys.platform.startswith("linux") or cache.dim() < 2:
         return None
     if cache.numel() * cache.element_size() < HUGE_PAGE:
         return None  # zeroed_lazily wrote it already
@@ -109,13 +137,24 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     chunk = max(1, HUGE_PAGE // block_bytes)  # blocks per call: >= 2 MiB of each layer
     page = mmap.PAGESIZE
 
+    def populate(ops: Any, lo: int, hi: int) -> bool:
+        """Fault [lo, hi) in once a core is free; False to stop (freed cache, or an error)."""
+        while True:
+            err = ops.populate_when_idle(lo, hi - lo, _PREFAULT_WAIT_S)
+            if err != errno.EAGAIN:
+                break
+            if ref() is None:
+                return False
+        if err != 0:
+            logger.debug("KV cache prefault stopped: %s", os.strerror(err))
+        return err == 0
+
     def run() -> None:
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread only
-        except OSError:
-            return  # at normal priority it would compete with the steps it is meant to help
-        madvise = ctypes.CDLL(None, use_errno=True).madvise  # releases the GIL
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        ops = cpu_ops()
+        if ops is None:
+            logger.debug("KV cache prefault off: no CPU kernels")
+            return
+        _stop_prefaults_at_exit(ops)
         t0 = time.perf_counter()
         for start in range(0, num_blocks, chunk):
             if ref() is None:
@@ -135,18 +174,16 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
             for layer in range(num_layers):
                 lo = base + layer * layer_bytes + start * block_bytes
                 hi = base + layer * layer_bytes + stop * block_bytes
-                lo -= lo % page
-                if madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-                    err = ctypes.get_errno()
-                    logger.debug("KV cache prefault stopped: %s", os.strerror(err))
+                if not populate(ops, lo - lo % page, hi):
                     return
         logger.info(
-            "KV cache pages faulted in: %.2f GiB in %.1f s (idle priority)",
+            "KV cache pages faulted in: %.2f GiB in %.1f s (on spare CPU time)",
             num_layers * layer_bytes / 2**30,
             time.perf_counter() - t0,
         )
 
     thread = threading.Thread(target=run, name="kv-prefault", daemon=True)
+    _prefault_threads.add(thread)
     thread.start()
     return thread
 

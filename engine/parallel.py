@@ -232,7 +232,7 @@ class TensorParallelGroup:
 
     def start_workers(self, num_blocks: int, block_size: int, prefault: bool = False) -> None:
         """Tell the workers the KV cache to allocate (known once rank 0 has sized it), and
-        whether to fault its pages in at idle priority as rank 0 does (prefault_in_background)."""
+        whether to fault its pages in on spare CPU time as rank 0 does (prefault_in_background)."""
         dist.broadcast_object_list([(num_blocks, block_size, prefault)], src=0)
 
     def before_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: Any) -> None:

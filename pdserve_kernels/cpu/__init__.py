@@ -59,11 +59,12 @@ _SOURCES = [
         "linear.cpp",
         "thread_pool.cpp",
         "decoder_layers.cpp",
+        "host_memory.cpp",
     )
 ]
 _HEADERS = [
     os.path.join(_HERE, name)
-    for name in ("vec.h", "thread_pool.h", "kernels.h", "decoder_layers.h")
+    for name in ("vec.h", "thread_pool.h", "kernels.h", "decoder_layers.h", "host_memory.h")
 ]
 
 

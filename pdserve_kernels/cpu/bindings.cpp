@@ -6,6 +6,7 @@
 #include "thread_pool.h"
 
 #include "decoder_layers.h"
+#include "host_memory.h"
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -56,6 +57,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_pool_enabled", &pdserve_cpu::pool_enabled,
         "whether the kernels' loops run on their own worker pool (else OpenMP)");
   m.def("kernel_pool_jobs", &pdserve_cpu::pool_jobs, "loops the kernels' pool has run in this process");
+  m.def("populate_when_idle", &pdserve_cpu::populate_when_idle,
+        "once a core is free, fault [address, address + length) in, contents unchanged: 0, "
+        "EAGAIN (no free core within timeout_s) or an errno (host_memory.h)",
+        py::arg("address"), py::arg("length"), py::arg("timeout_s"), no_gil);
+  m.def("populate_cancel", &pdserve_cpu::populate_cancel,
+        "populate_when_idle returns ECANCELED from now on, waiting calls at once");
   py::class_<pdserve_cpu::LlamaLayers>(
       m, "LlamaLayers",
       "a Llama-family decoder's layers over these kernels, one call per forward "

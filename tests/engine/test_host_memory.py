@@ -6,6 +6,11 @@ weights (huge_page_copies): equal copies, on huge pages, in one mapping."""
 from __future__ import annotations
 
 import gc
+import mmap
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -129,6 +134,41 @@ def test_prefault_maps_every_page_and_changes_nothing() -> None:
     expected[1, 5] = 3.0
     expected[2, 63] = -1.0
     assert torch.equal(cache, expected)
+
+
+def test_prefault_never_stalls_the_process_while_every_core_is_busy() -> None:
+    """madvise holds the process's mmap lock while it faults pages in. The prefault used to run
+    it at idle priority: preempted inside it while other processes kept every core busy, it
+    blocked this process's every mmap and munmap for seconds (here 5.5 s for one), and a
+    decode node stalled that way missed the gateway's health polls. Now it faults only after a
+    core stayed free for 2 ms, at normal priority: with every core busy, nothing is faulted in
+    and no mmap waits."""
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
+    cache = zeroed_lazily((8, 1024, 128 * 1024), torch.bfloat16)  # 2 GiB, never touched
+    try:
+        time.sleep(0.3)
+        thread = prefault_in_background(cache)
+        assert thread is not None
+        worst_s = 0.0
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            scratch = mmap.mmap(-1, 64 << 20)
+            scratch[0] = 1
+            scratch.close()
+            worst_s = max(worst_s, time.monotonic() - start)
+        assert worst_s < 0.5, f"an mmap + munmap waited {worst_s:.2f} s behind the prefault"
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(timeout=10)
+    del cache
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
 
 
 def test_prefault_leaves_the_reserve_free(monkeypatch) -> None:
