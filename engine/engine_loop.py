@@ -53,7 +53,13 @@ class RequestStream:
         self._queue.put_nowait(item)
 
     async def get(self, timeout_s: float) -> StreamItem:
-        item = await asyncio.wait_for(self._queue.get(), timeout_s)
+        """The next item; TimeoutError if none comes within timeout_s. (asyncio.timeout, not
+        wait_for: no task per token.)"""
+        try:
+            item = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            async with asyncio.timeout(timeout_s):
+                item = await self._queue.get()
         if isinstance(item, BaseException):
             raise item
         return item

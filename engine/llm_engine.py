@@ -206,7 +206,10 @@ class LLMEngine:
             and self.cache_config.kv_cache_prefault
             and os.environ.get("PDSERVE_KV_CACHE_PREFAULT", "1") != "0"
         ):
-            self._prefault = prefault_in_background(self.runner.kv_cache)
+            pool = kv.pool
+            self._prefault = prefault_in_background(
+                self.runner.kv_cache, high_water=lambda: pool.high_water
+            )
         if self.device.type == "cuda" and not model_config.enforce_eager:
             self._capture_decode_graphs()
         if self.tp is not None:

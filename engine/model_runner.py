@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -60,6 +60,14 @@ def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
 
 _PREFAULT_WAIT_S = 0.5
 """How long one wait for a free core lasts before the prefault checks its cache still lives."""
+_PREFAULT_NEAR_FREE_S = 0.002
+"""How long a core must stay free before the prefault faults a chunk the block pool will hand
+out soon (within _PREFAULT_AHEAD_CHUNKS of its high-water mark): steps would fault it anyway."""
+_PREFAULT_FAR_FREE_S = 0.02
+"""The same for the rest of the cache: the machine must be idle, not between two steps (gated
+at 2 ms, a 1 + 1 `pdserve serve` stack kept faulting its 2 x 4 GiB during issue 17's served
+workload and measured 122-129 output tok/s against ~150-160)."""
+_PREFAULT_AHEAD_CHUNKS = 4
 
 _PREFAULT_RESERVE = 1 << 30
 """Memory the prefault leaves free (MemAvailable, or the cgroup limit's headroom)."""
@@ -107,7 +115,9 @@ def _stop_prefaults_at_exit(ops: ModuleType) -> None:
     atexit.register(stop)
 
 
-def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
+def prefault_in_background(
+    cache: torch.Tensor, high_water: Callable[[], int] | None = None
+) -> threading.Thread | None:
     """Fault in the pages of a lazily mapped cache [num_layers, num_blocks, ...] from a daemon
     thread on spare CPU time, lowest block ids first in every layer (the order the block pool
     hands never-used blocks out). A first touch of never-used memory costs a page fault, and in
@@ -115,7 +125,8 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     0.25 s); without this, the steps that first store K/V into a block pay it (a 4096-token
     prompt through `pdserve serve` on 2 cores: 7.2 s TTFT instead of 4.9).
     Each 2 MiB of a layer waits for a core with nothing else to run (the kernels'
-    populate_when_idle, pdserve_kernels/cpu/host_memory.cpp), then is faulted in by
+    populate_when_idle, pdserve_kernels/cpu/host_memory.cpp: for 2 ms where the block pool's
+    high_water() is near, else for 20 ms: no cache, no high_water: 2 ms), then is faulted in by
     madvise(MADV_POPULATE_WRITE), which maps pages without changing what they hold, so blocks
     in use meanwhile are safe, at this thread's normal priority: madvise holds the process's
     mmap lock, and the idle-priority thread this used to be, preempted inside it while another
@@ -137,10 +148,13 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
     chunk = max(1, HUGE_PAGE // block_bytes)  # blocks per call: >= 2 MiB of each layer
     page = mmap.PAGESIZE
 
-    def populate(ops: Any, lo: int, hi: int) -> bool:
-        """Fault [lo, hi) in once a core is free; False to stop (freed cache, or an error)."""
+    def populate(ops: Any, lo: int, hi: int, start: int) -> bool:
+        """Fault [lo, hi) (of blocks from start) in once a core is free; False to stop (freed
+        cache, or an error)."""
         while True:
-            err = ops.populate_when_idle(lo, hi - lo, _PREFAULT_WAIT_S)
+            near = high_water is None or start <= high_water() + _PREFAULT_AHEAD_CHUNKS * chunk
+            free_s = _PREFAULT_NEAR_FREE_S if near else _PREFAULT_FAR_FREE_S
+            err = ops.populate_when_idle(lo, hi - lo, _PREFAULT_WAIT_S, free_s)
             if err != errno.EAGAIN:
                 break
             if ref() is None:
@@ -174,7 +188,7 @@ def prefault_in_background(cache: torch.Tensor) -> threading.Thread | None:
             for layer in range(num_layers):
                 lo = base + layer * layer_bytes + start * block_bytes
                 hi = base + layer * layer_bytes + stop * block_bytes
-                if not populate(ops, lo - lo % page, hi):
+                if not populate(ops, lo - lo % page, hi, start):
                     return
         logger.info(
             "KV cache pages faulted in: %.2f GiB in %.1f s (on spare CPU time)",

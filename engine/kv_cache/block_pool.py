@@ -56,6 +56,10 @@ class BlockPool:
         # Free blocks with a hash, in eviction order (front = least recently freed).
         self._cached_free: OrderedDict[int, KVCacheBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.high_water = 0
+        """The highest block id handed out so far: never-used blocks go out lowest id first,
+        so the cache's pages past it have not been touched by a step (the prefault reads it
+        from another thread: engine/model_runner.py)."""
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -92,6 +96,8 @@ class BlockPool:
                 _, block = self._cached_free.popitem(last=False)
                 self._evict(block)
             block.ref_cnt = 1
+            if block.block_id > self.high_water:
+                self.high_water = block.block_id
             out.append(block)
         return out
 

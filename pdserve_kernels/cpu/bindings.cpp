@@ -58,9 +58,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether the kernels' loops run on their own worker pool (else OpenMP)");
   m.def("kernel_pool_jobs", &pdserve_cpu::pool_jobs, "loops the kernels' pool has run in this process");
   m.def("populate_when_idle", &pdserve_cpu::populate_when_idle,
-        "once a core is free, fault [address, address + length) in, contents unchanged: 0, "
-        "EAGAIN (no free core within timeout_s) or an errno (host_memory.h)",
-        py::arg("address"), py::arg("length"), py::arg("timeout_s"), no_gil);
+        "once a core has been free for free_s, fault [address, address + length) in, contents "
+        "unchanged: 0, EAGAIN (no free core within timeout_s) or an errno (host_memory.h)",
+        py::arg("address"), py::arg("length"), py::arg("timeout_s"), py::arg("free_s"), no_gil);
   m.def("populate_cancel", &pdserve_cpu::populate_cancel,
         "populate_when_idle returns ECANCELED from now on, waiting calls at once");
   py::class_<pdserve_cpu::LlamaLayers>(

@@ -10,10 +10,10 @@
 //
 // So the idle-priority thread here, the sentinel, holds nothing and does nothing but notice a
 // free core: a worker posts a request and sleeps; the sentinel, woken at idle priority, runs
-// only on a core that has nothing else to run, and once it has run there 2 ms on end it wakes
+// only on a core that has nothing else to run, and once it has run there free_s on end it wakes
 // the worker, which faults its range in at its own (normal) priority: preempted holding the
 // mmap lock, it is back within a scheduler slice (the repro: 58 ms at worst while the core
-// stays contended; none at all when it never comes free for 2 ms). The 2 ms keep the worker's
+// stays contended; none at all when it never comes free for 2 ms). free_s keeps the worker's
 // ~3 ms per 2 MiB (a VM's first touch) out of the short gaps of a computing node: gated on any
 // free moment instead, a 4096-token prompt through `pdserve serve` took 14 s instead of 5.
 // The sentinel is native (no GIL) for the same reason as the rest: a Python thread at idle
@@ -59,6 +59,7 @@ inline void cpu_relax() {
 struct Sentinel {
   std::atomic<uint32_t> asked{0};     // requests posted by workers
   std::atomic<uint32_t> answered{0};  // the latest request seen while a core was free
+  std::atomic<int64_t> free_ns{0};    // how long a core must stay free (the latest request's)
   pid_t pid = 0;                      // the process that started its thread (fork: start again)
 };
 
@@ -66,25 +67,20 @@ std::mutex sentinel_mu;
 Sentinel* sentinel = nullptr;  // leaked: its thread lives as long as the process
 std::atomic<bool> cancelled{false};
 
-// How long the sentinel must run without a break before it calls a core free: a core that is
-// free for a moment (a step's single-threaded stretch, between two steps) would otherwise give
-// the worker ~3 ms of faulting at normal priority just as the next step's loops start there.
-constexpr int64_t kIdleRunNs = 2'000'000;
-
 int64_t clock_ns(clockid_t clock) {
   timespec t{};
   clock_gettime(clock, &t);
   return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
 }
 
-// Spins at idle priority until it has run kIdleRunNs on end: a thread at idle priority runs
-// only on a core nothing else wants, and loses it as soon as something wakes there, so its CPU
-// time keeps up with the clock only while the core stays free.
-void wait_for_free_core() {
+// Spins at idle priority until it has run free_ns on end: a thread at idle priority runs only
+// on a core nothing else wants, and loses it as soon as something wakes there, so its CPU time
+// keeps up with the clock only while the core stays free.
+void wait_for_free_core(int64_t free_ns) {
   for (;;) {
     const int64_t wall0 = clock_ns(CLOCK_MONOTONIC), cpu0 = clock_ns(CLOCK_THREAD_CPUTIME_ID);
     int64_t wall = wall0;
-    while (wall - wall0 < kIdleRunNs) {
+    while (wall - wall0 < free_ns) {
       for (int i = 0; i < 64; ++i) cpu_relax();
       wall = clock_ns(CLOCK_MONOTONIC);
     }
@@ -109,7 +105,7 @@ void sentinel_main(Sentinel* s) {
       futex(&s->asked, FUTEX_WAIT_PRIVATE, asked, nullptr);
       continue;
     }
-    wait_for_free_core();
+    wait_for_free_core(s->free_ns.load(std::memory_order_acquire));
     seen = s->asked.load(std::memory_order_acquire);  // every request posted so far
     s->answered.store(seen, std::memory_order_release);
     futex(&s->answered, FUTEX_WAKE_PRIVATE, INT_MAX, nullptr);
@@ -136,10 +132,11 @@ Sentinel* the_sentinel() {
 
 }  // namespace
 
-int64_t populate_when_idle(int64_t address, int64_t length, double timeout_s) {
+int64_t populate_when_idle(int64_t address, int64_t length, double timeout_s, double free_s) {
   if (cancelled.load(std::memory_order_acquire)) return ECANCELED;
   Sentinel* s = the_sentinel();
   if (s == nullptr) return EAGAIN;
+  s->free_ns.store(static_cast<int64_t>(free_s * 1e9), std::memory_order_release);
   const uint32_t ticket = s->asked.fetch_add(1, std::memory_order_acq_rel) + 1;
   futex(&s->asked, FUTEX_WAKE_PRIVATE, 1, nullptr);
   const auto deadline = std::chrono::steady_clock::now() +

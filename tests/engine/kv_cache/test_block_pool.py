@@ -28,6 +28,18 @@ def test_freed_empty_blocks_are_handed_out_again_first():
     assert ids(pool.get_new_blocks(3)) == [1, 2, 3]  # the used ones before the never-used 4 5
 
 
+def test_high_water_is_the_highest_block_ever_handed_out():
+    pool = BlockPool(8)
+    assert pool.high_water == 0
+    a = pool.get_new_blocks(3)  # 1 2 3
+    assert pool.high_water == 3
+    pool.free_blocks(reversed(a))
+    pool.get_new_blocks(2)  # the freed 1 2: nothing new touched
+    assert pool.high_water == 3
+    pool.get_new_blocks(3)  # 3, then the never-used 4 5
+    assert pool.high_water == 5
+
+
 def test_cached_blocks_are_evicted_only_when_no_empty_block_is_left():
     pool = BlockPool(5)
     a, b = pool.get_new_blocks(2)  # 1 2
