@@ -126,7 +126,7 @@ def prefault_in_background(
     prompt through `pdserve serve` on 2 cores: 7.2 s TTFT instead of 4.9).
     Each 2 MiB of a layer waits for a core with nothing else to run (the kernels'
     populate_when_idle, pdserve_kernels/cpu/host_memory.cpp: for 2 ms where the block pool's
-    high_water() is near, else for 20 ms: no cache, no high_water: 2 ms), then is faulted in by
+    high_water() is near, else for 20 ms; without high_water, 2 ms), then is faulted in by
     madvise(MADV_POPULATE_WRITE), which maps pages without changing what they hold, so blocks
     in use meanwhile are safe, at this thread's normal priority: madvise holds the process's
     mmap lock, and the idle-priority thread this used to be, preempted inside it while another
