@@ -64,7 +64,14 @@ _SOURCES = [
 ]
 _HEADERS = [
     os.path.join(_HERE, name)
-    for name in ("vec.h", "thread_pool.h", "kernels.h", "decoder_layers.h", "host_memory.h")
+    for name in (
+        "vec.h",
+        "thread_pool.h",
+        "kernels.h",
+        "decoder_layers.h",
+        "host_memory.h",
+        "spin_wait.h",
+    )
 ]
 
 

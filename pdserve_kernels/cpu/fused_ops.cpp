@@ -328,14 +328,20 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   return out;
 }
 
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+// The arguments of an in-place residual add + norm (fused_add_rms_norm, gemma_add_rms_norm).
+static void check_add_norm_args(const at::Tensor& x, const at::Tensor& residual,
+                                const at::Tensor& weight, const char* name) {
   check_cpu(x, "x");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
-              "fused_add_rms_norm needs contiguous inputs");
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(), name,
+              " needs contiguous inputs");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual must match x");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
               "weight must be [hidden] in x's dtype");
+}
+
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_add_norm_args(x, residual, weight, "fused_add_rms_norm");
   if (x.scalar_type() == at::kFloat)
     add_then_norm_impl<float, rms_norm_row<float>>(x, residual, weight, eps);
   else add_then_norm_impl<BF16, rms_norm_row<BF16>>(x, residual, weight, eps);
@@ -387,13 +393,7 @@ at::Tensor gemma_rms_norm(at::Tensor x, at::Tensor weight, double eps) {
 }
 
 void gemma_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && weight.is_contiguous(),
-              "gemma_add_rms_norm needs contiguous inputs");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "residual must match x");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.numel() == x.size(-1),
-              "weight must be [hidden] in x's dtype");
+  check_add_norm_args(x, residual, weight, "gemma_add_rms_norm");
   if (x.scalar_type() == at::kFloat)
     add_then_norm_impl<float, gemma_rms_norm_row<float>>(x, residual, weight, eps);
   else add_then_norm_impl<BF16, gemma_rms_norm_row<BF16>>(x, residual, weight, eps);

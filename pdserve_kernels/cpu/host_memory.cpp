@@ -21,6 +21,8 @@
 // to the thread that asked for it).
 #include "host_memory.h"
 
+#include "spin_wait.h"
+
 #include <errno.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -47,14 +49,6 @@
 
 namespace pdserve_cpu {
 namespace {
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 struct Sentinel {
   std::atomic<uint32_t> asked{0};     // requests posted by workers
@@ -87,10 +81,6 @@ void wait_for_free_core(int64_t free_ns) {
     const int64_t ran = clock_ns(CLOCK_THREAD_CPUTIME_ID) - cpu0;
     if (ran * 10 >= (wall - wall0) * 9) return;  // not preempted (beyond clock noise)
   }
-}
-
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
 }
 
 void sentinel_main(Sentinel* s) {

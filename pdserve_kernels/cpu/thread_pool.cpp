@@ -1,6 +1,8 @@
 // The kernels' own worker pool (thread_pool.h says why and when it runs).
 #include "thread_pool.h"
 
+#include "spin_wait.h"
+
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -37,18 +39,6 @@ constexpr Clock::duration kCoolSpin = std::chrono::microseconds(20);
 // a yield every 64 pauses against 36-47 ms, median 40, without). Threads that wake (the node's
 // asyncio thread, a gateway) still preempt a spinner, whose CPU time is far ahead of theirs.
 constexpr int kPausesPerClockRead = 64;
-
-inline void cpu_relax() {
-#if defined(__x86_64__)
-  _mm_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
-
-long futex(std::atomic<uint32_t>* word, int op, uint32_t value) {
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, nullptr, nullptr, 0);
-}
 
 struct Pool {
   // A seqlock over the job: odd while the dispatcher writes it, even once published. A worker
