@@ -10,7 +10,8 @@ flight on one endpoint - true since a transfer's messages cover disjoint block r
 
 Progress mode. Default "thread" with Python futures (ucxx's notifier thread). Measured here
 (2 cores): an idle receiver (listener, one connected endpoint, a header receive posted)
-costs ~3% of a core, while "polling", "thread-polling", "blocking", and "thread" without
+costs ~0% of a core (~3% with ucxx's 1 ms progress-thread epoll timeout, which
+PROGRESS_EPOLL_TIMEOUT_MS replaces), while "polling", "thread-polling", "blocking", and "thread" without
 Python futures (ucxx's own default) burn up to a whole core as soon as a receive is pending
 (requests are then completed by yielding in a loop); it was also the fastest mode here (see
 benchmarks/kv_transfer.py). Override with the standard UCXPY_PROGRESS_MODE (and
@@ -79,6 +80,7 @@ def _ucxx() -> Any:
         python_future = None  # None: ucxx reads UCXPY_ENABLE_PYTHON_FUTURE
         if "UCXPY_ENABLE_PYTHON_FUTURE" not in os.environ:
             python_future = mode == "thread"
+        _progress_thread_timeout(PROGRESS_EPOLL_TIMEOUT_MS)
         try:
             ucxx.init(progress_mode=mode, enable_python_future=python_future)
             logger.info("ucxx initialised: progress_mode=%s python_future=%s", mode, python_future)
@@ -94,6 +96,34 @@ def _ucxx() -> Any:
             "ucxx is bound to another event loop; call kvtransfer.ucx.shutdown_ucx() first"
         )
     return ucxx
+
+
+PROGRESS_EPOLL_TIMEOUT_MS = 100
+"""How long ucxx's progress thread sleeps in epoll_wait with nothing to do ("thread" mode).
+ucxx hard-codes 1 ms: an idle node's progress thread then woke ~1000 times a second (~2.4% of
+a core here), each wake taking a core from a step's compute threads. UCX events and ucxx's
+own submissions (delayed requests, endpoint aborts, stopping) wake the wait at once (the
+worker's event fd, ucp_worker_signal), so the timeout only bounds housekeeping nothing
+signals; transfer latency measured the same (benchmarks/kv_transfer.py)."""
+
+
+def _progress_thread_timeout(timeout_ms: int) -> None:
+    """Have ucxx's "thread" progress mode start its progress thread with epoll_wait timing
+    out after timeout_ms instead of ucxx's fixed 1 ms (its ThreadMode takes no argument for
+    it, so the class ucxx.init() instantiates is swapped for one that passes it)."""
+    import weakref
+
+    from ucxx._lib_async import application_context
+    from ucxx._lib_async import continuous_ucx_progress as progress
+
+    class ThreadMode(progress.ProgressTask):
+        def __init__(self, worker: Any, event_loop: Any, polling_mode: bool = False) -> None:
+            super().__init__(worker, event_loop)
+            worker.set_progress_thread_start_callback(progress._create_context)
+            worker.start_progress_thread(polling_mode=polling_mode, epoll_timeout=timeout_ms)
+            weakref.finalize(self, worker.stop_progress_thread)
+
+    application_context.ThreadMode = ThreadMode
 
 
 def shutdown_ucx() -> None:

@@ -11,6 +11,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -362,6 +363,42 @@ def test_sending_to_a_closed_or_missing_receiver_raises_within_the_timeout(kind,
                 assert time.monotonic() - started_s < 2
         finally:
             await sender.close()
+
+    run(loop, main)
+
+
+def _context_switches() -> int:
+    """Voluntary context switches of every thread of this process so far."""
+    total = 0
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif("ucx" not in KINDS, reason="ucxx is not installed")
+def test_an_idle_ucx_link_leaves_the_process_asleep(loop):
+    """A connected UCX link with a receive posted and nothing to do: ucxx's progress thread
+    woke ~1000 times a second (its 1 ms epoll timeout), each wake taking a core from whatever
+    computes; now it sleeps until UCX or ucxx signals it (and transfers still complete)."""
+
+    async def main():
+        async with started("ucx") as (receiver, (sender,)):
+            sink = Sink(F32, 2)
+            token = receiver.expect("t", F32, 2, sink)
+            blocks = random_blocks(F32, 2, 9)
+            await sender.send(receiver.address, *message("t", F32, blocks, 0, 2, token))
+            await receiver.wait("t", timeout_s=5)
+            before = _context_switches()
+            await asyncio.sleep(1.0)
+            woke = _context_switches() - before
+            assert woke < 200, f"{woke} context switches in 1 s of an idle link"
+            token = receiver.expect("t2", F32, 2, Sink(F32, 2))  # the link still works
+            await sender.send(receiver.address, *message("t2", F32, blocks, 0, 2, token))
+            await receiver.wait("t2", timeout_s=5)
+            np.testing.assert_array_equal(sink.data, blocks)
 
     run(loop, main)
 
