@@ -107,23 +107,40 @@ worker's event fd, ucp_worker_signal), so the timeout only bounds housekeeping n
 signals; transfer latency measured the same (benchmarks/kv_transfer.py)."""
 
 
-def _progress_thread_timeout(timeout_ms: int) -> None:
+def _progress_thread_timeout(timeout_ms: int) -> bool:
     """Have ucxx's "thread" progress mode start its progress thread with epoll_wait timing
     out after timeout_ms instead of ucxx's fixed 1 ms (its ThreadMode takes no argument for
-    it, so the class ucxx.init() instantiates is swapped for one that passes it)."""
+    it, so the class ucxx.init() instantiates is swapped for one that passes it). A ucxx whose
+    internals differ keeps its own (a warning); False then."""
     import weakref
 
-    from ucxx._lib_async import application_context
-    from ucxx._lib_async import continuous_ucx_progress as progress
+    try:
+        from ucxx._lib_async import application_context
+        from ucxx._lib_async import continuous_ucx_progress as progress
 
-    class ThreadMode(progress.ProgressTask):
+        if getattr(application_context.ThreadMode, "epoll_timeout_ms", None) == timeout_ms:
+            return True  # installed by an earlier initialisation in this process
+        base, create_context = progress.ProgressTask, progress._create_context
+        if application_context.ThreadMode is not progress.ThreadMode:
+            raise AttributeError("ThreadMode is not ucxx's own")
+    except (ImportError, AttributeError) as e:
+        logger.warning("ucxx's progress thread keeps its 1 ms epoll timeout (%s)", e)
+        return False
+
+    class ThreadMode(base):  # type: ignore[misc, valid-type]
+        epoll_timeout_ms = timeout_ms
+
         def __init__(self, worker: Any, event_loop: Any, polling_mode: bool = False) -> None:
             super().__init__(worker, event_loop)
-            worker.set_progress_thread_start_callback(progress._create_context)
-            worker.start_progress_thread(polling_mode=polling_mode, epoll_timeout=timeout_ms)
+            worker.set_progress_thread_start_callback(create_context)
+            try:
+                worker.start_progress_thread(polling_mode=polling_mode, epoll_timeout=timeout_ms)
+            except TypeError:  # a ucxx without the argument
+                worker.start_progress_thread(polling_mode=polling_mode)
             weakref.finalize(self, worker.stop_progress_thread)
 
     application_context.ThreadMode = ThreadMode
+    return True
 
 
 def shutdown_ucx() -> None:
