@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             for client, numbers in one_server(args, server, rnd, logs).items():
                 runs[server].setdefault(client, []).append(numbers)
     summary = summarise(runs)
-    result = {"settings": {k: v for k, v in vars(args).items()}, "order": order, "runs": runs}
+    result = {"settings": vars(args).copy(), "order": order, "runs": runs}
     result |= summary
     (RESULTS / f"serve_rounds_{args.tag}.json").write_text(json.dumps(result, indent=2) + "\n")
     sys.stdout.write("\n" + report(summary) + "\n")

@@ -11,8 +11,8 @@ flight on one endpoint - true since a transfer's messages cover disjoint block r
 Progress mode. Default "thread" with Python futures (ucxx's notifier thread). Measured here
 (2 cores): an idle receiver (listener, one connected endpoint, a header receive posted)
 costs ~0% of a core (~3% with ucxx's 1 ms progress-thread epoll timeout, which
-PROGRESS_EPOLL_TIMEOUT_MS replaces), while "polling", "thread-polling", "blocking", and "thread" without
-Python futures (ucxx's own default) burn up to a whole core as soon as a receive is pending
+PROGRESS_EPOLL_TIMEOUT_MS replaces), while "polling", "thread-polling", "blocking", and
+"thread" without Python futures (ucxx's own default) burn up to a whole core as soon as a receive is pending
 (requests are then completed by yielding in a loop); it was also the fastest mode here (see
 benchmarks/kv_transfer.py). Override with the standard UCXPY_PROGRESS_MODE (and
 UCXPY_ENABLE_PYTHON_FUTURE) environment variables, read when ucxx is first initialised.

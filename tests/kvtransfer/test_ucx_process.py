@@ -42,16 +42,21 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_process_exits_without_an_explicit_ucx_shutdown():
+def run_script(script: str) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter at the repository root (30 s at most)."""
     repo_root = Path(__file__).resolve().parents[2]
-    result = subprocess.run(
-        [sys.executable, "-c", SCRIPT],
+    return subprocess.run(
+        [sys.executable, "-c", script],
         cwd=repo_root,
         env={**os.environ, "PYTHONPATH": str(repo_root), "UCX_WARN_UNUSED_ENV_VARS": "n"},
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_process_exits_without_an_explicit_ucx_shutdown():
+    result = run_script(SCRIPT)
     assert "main returned" in result.stdout, result.stderr
     assert result.returncode == 0, result.stderr
 
@@ -60,7 +65,6 @@ def test_a_ucxx_with_other_internals_keeps_its_progress_thread_and_works():
     """The progress thread's epoll timeout is set through ucxx internals (kvtransfer/ucx.py,
     _progress_thread_timeout); a ucxx release without them must still transfer, with a
     warning, never fail to initialise."""
-    repo_root = Path(__file__).resolve().parents[2]
     script = (
         "import logging\n"
         "logging.basicConfig(level=logging.WARNING)\n"
@@ -69,14 +73,7 @@ def test_a_ucxx_with_other_internals_keeps_its_progress_thread_and_works():
         "    pass\n"
         "application_context.ThreadMode = Moved\n" + SCRIPT
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=repo_root,
-        env={**os.environ, "PYTHONPATH": str(repo_root), "UCX_WARN_UNUSED_ENV_VARS": "n"},
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    result = run_script(script)
     assert "main returned" in result.stdout, result.stderr
     assert result.returncode == 0, result.stderr
     assert "keeps its 1 ms epoll timeout" in result.stderr
