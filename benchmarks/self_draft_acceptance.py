@@ -59,7 +59,9 @@ def simulate(matches: list[bool], k: int, draft_cost: float) -> tuple[float, flo
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -107,7 +109,9 @@ def main() -> None:
                            "modelled_speedup": sum(s[1] for s in sims) / len(sims)}  # fmt: skip
             rows[L] = {"acceptance": sum(flat) / len(flat), "draft_cost": cost, "by_k": by_k}
         results["workloads"][name] = rows
-    logger.info("| workload | exit layer L | draft cost / step | acceptance | best k | tokens / step | modelled speed-up |")
+    logger.info(
+        "| workload | exit layer L | draft cost / step | acceptance | best k | tokens / step | modelled speed-up |"
+    )
     logger.info("|---|---:|---:|---:|---:|---:|---:|")
     for name, rows in results["workloads"].items():
         for L, row in rows.items():

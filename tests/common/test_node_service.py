@@ -75,11 +75,15 @@ def test_errors_become_status_codes_and_left_streams_close():
                     return tokens, grpc.StatusCode.OK, ""
 
                 assert await generate("bad") == (
-                    [], grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty"
+                    [],
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "prompt is empty",
                 )
                 assert (await generate("mismatch"))[1] is grpc.StatusCode.FAILED_PRECONDITION
                 assert await generate("late") == (
-                    [1], grpc.StatusCode.DEADLINE_EXCEEDED, "no token within the deadline"
+                    [1],
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "no token within the deadline",
                 )
                 assert await generate("ok") == ([1], grpc.StatusCode.OK, "")
                 for rid, code in (

@@ -88,9 +88,7 @@ def test_the_loop_delivers_remote_prefills_on_the_request_stream(tiny_llama):
         loop.start()
         try:
             stream = loop.open_stream("r")
-            await loop.call(
-                lambda e: e.add_request("r", PROMPT, GREEDY, wants_remote_prefill=True)
-            )
+            await loop.call(lambda e: e.add_request("r", PROMPT, GREEDY, wants_remote_prefill=True))
             rp = await stream.get(timeout_s=30)
             assert isinstance(rp, RemotePrefill) and rp.request_id == "r"
             with pytest.raises(RuntimeError, match="belongs to thread"):
@@ -102,9 +100,7 @@ def test_the_loop_delivers_remote_prefills_on_the_request_stream(tiny_llama):
                 e.kv_cache[:, rp.block_ids] = 0.5
 
             await loop.call(write_kv)
-            update = await loop.call(
-                lambda e: e.finish_remote_prefill("r", SampledTokens([11]), 0)
-            )
+            update = await loop.call(lambda e: e.finish_remote_prefill("r", SampledTokens([11]), 0))
             loop.publish([update])
             tokens = []
             while True:

@@ -153,7 +153,9 @@ def test_a_budget_below_max_num_seqs_is_warned_about(tiny_llama, caplog) -> None
     with caplog.at_level("WARNING", logger="pdserve.engine.llm_engine"):
         LLM(model=tiny_llama, dtype="float32", num_blocks=64, max_num_batched_tokens=16,
             max_num_seqs=32)  # fmt: skip
-    assert any("max_num_batched_tokens 16 < max_num_seqs 32" in r.getMessage() for r in caplog.records)
+    assert any(
+        "max_num_batched_tokens 16 < max_num_seqs 32" in r.getMessage() for r in caplog.records
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="pdserve.engine.llm_engine"):
         LLM(model=tiny_llama, dtype="float32", num_blocks=64, max_num_batched_tokens=32,

@@ -129,8 +129,15 @@ def test_bad_adapters_are_value_errors(tiny_llama, adapters, tmp_path) -> None:
     # 2 GiB claimed by a foreign adapter: refused from the header, before a byte is read
     huge = tmp_path / "huge"
     write_adapter(huge, 4, (4, hidden), (q_rows, 4))
-    header = json.dumps({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {
-        "dtype": "F32", "shape": [4, 1 << 27], "data_offsets": [0, 1 << 31]}}).encode()
+    header = json.dumps(
+        {
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": {
+                "dtype": "F32",
+                "shape": [4, 1 << 27],
+                "data_offsets": [0, 1 << 31],
+            }
+        }
+    ).encode()
     (huge / "adapter_model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header)
     cases = [
         (adapters["mlp-r16"], "rank 16"),  # above max_lora_rank 8

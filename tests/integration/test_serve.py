@@ -99,7 +99,9 @@ def test_only_the_nodes_load_torch(stack):
 
     assert not maps_torch(stack.nodes["gateway"]["pid"])
     assert not maps_torch(stack.proc.process.pid)
-    assert maps_torch(stack.nodes["prefill-0"]["pid"]) and maps_torch(stack.nodes["decode-0"]["pid"])
+    assert maps_torch(stack.nodes["prefill-0"]["pid"]) and maps_torch(
+        stack.nodes["decode-0"]["pid"]
+    )
 
 
 def test_32_concurrent_mixed_requests_equal_the_offline_engine(stack, offline):

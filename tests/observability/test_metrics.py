@@ -135,7 +135,9 @@ def test_promtool_accepts_every_exposition(stack):
         assert code in (0, 3), f"{name}: promtool failed to parse:\n{problems}"
         others = [p for p in problems if COLON_LINT not in p]
         assert not others, f"{name}: {others}"
-        code, problems = _promtool_problems(text.replace("pdserve:", "pdserve_").replace("vllm:", "vllm_"))
+        code, problems = _promtool_problems(
+            text.replace("pdserve:", "pdserve_").replace("vllm:", "vllm_")
+        )
         assert code == 0, f"{name}: {problems}"
 
 
