@@ -158,10 +158,11 @@ inline __m512bh broadcast_pair(const c10::BFloat16* p) {
   return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-// bf16: one dpbf16 per (row, 16 keys, 2 dims); kp is [D/2, 64 keys, 2].
+// bf16: R rows x 64 keys of S into registers a, one dpbf16 per (row, 16 keys, 2 dims); kp is
+// [D/2, 64 keys, 2].
 template <int kD, int R>
-inline void scores_rows(const c10::BFloat16* q, const c10::BFloat16* kp, float* s) {
-  __m512 a[R][4];
+inline void scores_in_registers(const c10::BFloat16* q, const c10::BFloat16* kp,
+                                __m512 (&a)[R][4]) {
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_ps();
   for (int i = 0; i < kD / 2; ++i) {
@@ -173,6 +174,12 @@ inline void scores_rows(const c10::BFloat16* q, const c10::BFloat16* kp, float* 
       for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpbf16_ps(a[r][c], b, k[c]);
     }
   }
+}
+
+template <int kD, int R>
+inline void scores_rows(const c10::BFloat16* q, const c10::BFloat16* kp, float* s) {
+  __m512 a[R][4];
+  scores_in_registers<kD, R>(q, kp, a);
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(s + r * kKeyTile + 16 * c, a[r][c]);
 }
@@ -883,17 +890,7 @@ inline void fused_rows(const c10::BFloat16* q, const c10::BFloat16* kp, const c1
                        float* acc, FusedRows& st, int64_t r0, int64_t rows, int64_t p0,
                        int64_t start, int64_t nk, int64_t window, float c) {
   __m512 a[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) a[r][j] = _mm512_setzero_ps();
-  for (int i = 0; i < kD / 2; ++i) {
-    __m512bh k[4];
-    for (int j = 0; j < 4; ++j)
-      k[j] = (__m512bh)_mm512_loadu_si512(kp + i * 2 * kKeyTile + 32 * j);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh b = broadcast_pair(q + r * kD + 2 * i);
-      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_dpbf16_ps(a[r][j], b, k[j]);
-    }
-  }
+  scores_in_registers<kD, R>(q, kp, a);
   alignas(64) c10::BFloat16 p[R][kKeyTile];
   float rescale[R];
   for (int r = 0; r < R; ++r) {
