@@ -182,6 +182,45 @@ def test_prefault_leaves_the_reserve_free(monkeypatch) -> None:
     assert _smaps_kib(cache.data_ptr(), "Rss:") < 12 * 1024 // 2
 
 
+def test_an_idle_window_starts_a_run_of_short_waits() -> None:
+    run = model_runner._PREFAULT_RUN_CHUNKS
+    fast, slow = 0.001, 10 * model_runner._PREFAULT_RUN_CALL_S
+    assert model_runner.next_prefault_run(0, True, False, slow) == run - 1  # a far wait: idle
+    assert model_runner.next_prefault_run(3, False, False, fast) == 2  # the run goes on
+    assert model_runner.next_prefault_run(1, False, False, fast) == 0  # and ends
+    assert model_runner.next_prefault_run(5, False, False, slow) == 0  # the core was busy
+    assert model_runner.next_prefault_run(4, False, True, slow) == 4  # near chunks: no change
+    assert model_runner.next_prefault_run(0, False, False, fast) == 0
+
+
+def test_an_idle_process_faults_most_far_chunks_after_short_waits(monkeypatch) -> None:
+    """Far chunks used to wait 20 ms each for a free core even on an idle machine (an idle
+    node's 4 GiB: ~48 s); after one such wait a run of chunks waits 2 ms each."""
+    ops = model_runner.cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU kernels did not build")
+    waits: list[float] = []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+        def populate_when_idle(self, addr, length, wait_s, free_s):
+            waits.append(free_s)
+            return ops.populate_when_idle(addr, length, wait_s, free_s)
+
+    monkeypatch.setattr(model_runner, "cpu_ops", lambda: Recording())
+    shape = (2, 1024, 2, 4, 16, 64)  # 64 MiB float32; 64 blocks (2 MiB) a chunk and layer
+    cache = zeroed_lazily(shape, torch.float32)
+    thread = prefault_in_background(cache, high_water=lambda: 0)  # blocks past 256: far
+    assert thread is not None
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert _smaps_kib(cache.data_ptr(), "Rss:") >= 64 * 1024
+    far = waits.count(model_runner._PREFAULT_FAR_FREE_S)
+    assert len(waits) >= 32 and far <= 8, f"{far} of {len(waits)} waits took 20 ms"
+
+
 def test_memory_headroom_is_at_most_memavailable() -> None:
     meminfo = Path("/proc/meminfo").read_text()
     available = int(meminfo.split("MemAvailable:")[1].split()[0]) * 1024
