@@ -72,8 +72,8 @@ _PREFAULT_RUN_CHUNKS = 8
 """Once a core has stayed free for _PREFAULT_FAR_FREE_S (the machine idle), the next chunks up
 to this many in all wait only _PREFAULT_NEAR_FREE_S, as long as each call returns within
 _PREFAULT_RUN_CALL_S (the core still free): with a 20 ms wait before every 2 MiB an idle node
-took ~48 s to fault its 4 GiB in (2070 waits; AMD Zen 5, SmolLM2), and a node computing again
-meets at most one short wait before the run ends."""
+took ~48 s to fault its 4 GiB in (2070 waits; AMD Zen 5, SmolLM2); a node that computes again
+meets at most the run's remaining chunks at the short wait."""
 _PREFAULT_RUN_CALL_S = 0.01
 
 _PREFAULT_RESERVE = 1 << 30
