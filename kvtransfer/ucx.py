@@ -12,10 +12,11 @@ Progress mode. Default "thread" with Python futures (ucxx's notifier thread). Me
 (2 cores): an idle receiver (listener, one connected endpoint, a header receive posted)
 costs ~0% of a core (~3% with ucxx's 1 ms progress-thread epoll timeout, which
 PROGRESS_EPOLL_TIMEOUT_MS replaces), while "polling", "thread-polling", "blocking", and
-"thread" without Python futures (ucxx's own default) burn up to a whole core as soon as a receive is pending
-(requests are then completed by yielding in a loop); it was also the fastest mode here (see
-benchmarks/kv_transfer.py). Override with the standard UCXPY_PROGRESS_MODE (and
-UCXPY_ENABLE_PYTHON_FUTURE) environment variables, read when ucxx is first initialised.
+"thread" without Python futures (ucxx's own default) burn up to a whole core as soon as a
+receive is pending (requests are then completed by yielding in a loop); it was also the
+fastest mode here (see benchmarks/kv_transfer.py). Override with the standard
+UCXPY_PROGRESS_MODE (and UCXPY_ENABLE_PYTHON_FUTURE) environment variables, read when ucxx is
+first initialised.
 
 Binding. ucxx's listener always binds 0.0.0.0 (its API has no bind address; ucxx builds the
 listener's sockaddr with no host); UCX_NET_DEVICES=lo only keeps UCX's own tcp transport

@@ -868,27 +868,19 @@ void softmax_tile(float* s, E* p, Scratch<E>& w, int64_t group, int64_t rows, in
 // while their scores are still in registers: S = Q K^T into 4R accumulators, the softmax on
 // them (max in raw scores, exps in base 2 with the scale and log2(e) folded into one FMA), P
 // as bf16 into an R x 64 buffer, then acc = acc * rescale + P V for the same R rows.
-// A row's sum of exps stays a 16-lane vector (FusedRows::sums) until the end: no horizontal sum a
+// A row's sum of exps stays a 16-lane vector (Scratch::sums) until the end: no horizontal sum a
 // tile. A row's max moves only when a tile's max exceeds it, so its rescale (a scalar exp2)
 // is computed on those tiles alone. Same products and roundings as the layout above (P
 // rounded to bf16, fp32 sums). AMD Zen 5, SmolLM2's heads, 2 threads, alternating builds: 8192
 // tokens 107.0 / 106.2 -> 102.0 / 100.4 ms, 4096 28.7 / 27.0 -> 26.1 / 26.2, 1024 the same.
 
-// Running state of a task's rows for the fused path: the max in log2 units (score * scale *
-// log2 e), the sum of exps as 16 lanes a row.
-struct FusedRows {
-  std::vector<float> ref, sums;
-  void reset(int64_t m) {
-    ref.assign(m, kNoScore);
-    sums.assign(m * 16, 0.f);
-  }
-};
-
 // Rows [r0, r0 + R) of the task (row r = g * rows + i at position p0 + i) against one tile.
+// The rows' running state, in the task's Scratch: ref, the max in log2 units (score * scale *
+// log2 e; kNoScore before the row's first key), and sums, the sum of exps as 16 lanes a row.
 template <int kD, int R>
 inline void fused_rows(const c10::BFloat16* q, const c10::BFloat16* kp, const c10::BFloat16* vp,
-                       float* acc, FusedRows& st, int64_t r0, int64_t rows, int64_t p0,
-                       int64_t start, int64_t nk, int64_t window, float c) {
+                       float* acc, float* ref_of, float* sums_of, int64_t r0, int64_t rows,
+                       int64_t p0, int64_t start, int64_t nk, int64_t window, float c) {
   __m512 a[R][4];
   scores_in_registers<kD, R>(q, kp, a);
   alignas(64) c10::BFloat16 p[R][kKeyTile];
@@ -906,7 +898,7 @@ inline void fused_rows(const c10::BFloat16* q, const c10::BFloat16* kp, const c1
     for (int j = 0; j < 4; ++j)
       top = _mm512_mask_max_ps(top, static_cast<__mmask16>(visible >> (16 * j)), top, a[r][j]);
     const float tile_ref = _mm512_reduce_max_ps(top) * c;
-    float& ref = st.ref[row];
+    float& ref = ref_of[row];
     if (tile_ref > ref) {
       rescale[r] = std::exp2(ref - tile_ref);  // 0 on the row's first tile (ref = kNoScore)
       ref = tile_ref;
@@ -919,7 +911,7 @@ inline void fused_rows(const c10::BFloat16* q, const c10::BFloat16* kp, const c1
       store_p(p[r] + 16 * j, e);
       sum = _mm512_add_ps(sum, e);
     }
-    float* sums = st.sums.data() + 16 * row;
+    float* sums = sums_of + 16 * row;
     _mm512_storeu_ps(sums, _mm512_fmadd_ps(_mm512_loadu_ps(sums), _mm512_set1_ps(rescale[r]), sum));
   }
   accumulate_rows<kD, R>(acc, rescale, p[0], vp, nk);
@@ -1165,8 +1157,8 @@ void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E
   const int64_t key_end = p0 + rows;  // past the last row's position
 #if defined(__AVX512BF16__)
   if constexpr (!kAmx && kFused<E, kD>) {
-    thread_local FusedRows st;
-    st.reset(m);
+    float* ref = w.row_max.data();  // kNoScore from w.size
+    std::fill(w.sums.begin(), w.sums.end(), 0.f);
     const float c = b.scale * 1.44269504088896341f;  // scores to log2 units
     for (int64_t tile = first_visible(p0, b.window) / kKeyTile; tile * kKeyTile < key_end;
          ++tile) {
@@ -1174,12 +1166,12 @@ void run_task(const Batch<T>& b, const PackedKV<E>& kv, const Task& t, Scratch<E
       const E* k = kv.k(t.seq, t.kv_head, tile);
       row_chunks<kAccRows<kD>>(m, [&](auto n, int64_t r) {
         fused_rows<kD, decltype(n)::value>(w.q.data() + r * kD, k, k + kKeyTile * kD,
-                                           w.acc.data() + r * kD, st, r, rows, p0, start, nk,
-                                           b.window, c);
+                                           w.acc.data() + r * kD, ref, w.sums.data(), r, rows,
+                                           p0, start, nk, b.window, c);
       });
     }
     for (int64_t r = 0; r < m; ++r)
-      w.row_sum[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(st.sums.data() + 16 * r));
+      w.row_sum[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(w.sums.data() + 16 * r));
   } else
 #endif
   {
